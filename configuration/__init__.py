@@ -1,0 +1,3 @@
+from .configuration_disentangled import DisentangledConfig
+
+__all__ = ["DisentangledConfig"]

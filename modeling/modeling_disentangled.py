@@ -1,0 +1,726 @@
+"""DeBERTa's disentangled attention as a transformers architecture: the model and its heads.
+
+Content H and relative-position embeddings P are kept in separate streams; each attention layer scores
+
+    A_ij = (c2c + c2p + p2c [+ p2p]) / sqrt(head_dim * number_of_terms)
+
+with c2c = H_i Wq_c . H_j Wk_c, c2p = H_i Wq_c . P_δ(i,j) Wk_p, p2c = H_j Wk_c . P_δ(i,j) Wq_p and the optional
+p2p = P_δ(i,j) Wq_p . P_δ(j,i) Wk_p (see `disentangled_attention.py` for the index convention). Relative
+distances are clipped (v1) or log-bucketed (v2/v3 `position_buckets`).
+
+The encoder builds the bucket index and the normalised relative embeddings once per forward; each layer
+projects the 2S relative embeddings (never once per batch element) and hands its attention backend the
+[B, H, L, 2S] position tables. Parameter names are those of transformers' DeBERTa-v2, so its checkpoints
+load as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from torch import Tensor, nn
+from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
+from transformers import PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    MaskedLMOutput,
+    MultipleChoiceModelOutput,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..configuration.configuration_disentangled import DisentangledConfig
+from .disentangled_attention import (
+    DISENTANGLED_ATTENTION_FUNCTIONS,
+    PositionScores,
+    dense_position_bias,
+    eager_disentangled,
+    head_scaling,
+    mirror_columns,
+    relative_index,
+)
+
+try:  # transformers 5: initialisers that leave weights loaded from a checkpoint alone
+    from transformers import initialization as init
+except ImportError:  # transformers 4.57
+    from torch.nn import init
+
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+
+
+class DisentangledEmbeddings(nn.Module):
+    """Word (+ absolute position) (+ token type) embeddings, projected to hidden_size, normalised, masked."""
+
+    def __init__(self, config: DisentangledConfig):
+        super().__init__()
+        size = config.word_embedding_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, size, padding_idx=config.pad_token_id)
+        self.position_embeddings = (
+            nn.Embedding(config.max_position_embeddings, size) if config.position_biased_input else None
+        )
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, size) if config.type_vocab_size > 0 else None
+        self.embed_proj = nn.Linear(size, config.hidden_size, bias=False) if size != config.hidden_size else None
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(
+        self,
+        input_ids: Tensor | None,
+        token_type_ids: Tensor | None,
+        position_ids: Tensor | None,
+        input_mask: Tensor,
+        inputs_embeds: Tensor | None = None,
+    ) -> Tensor:
+        embeddings = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = torch.arange(embeddings.shape[1], device=embeddings.device).unsqueeze(0)
+            embeddings = embeddings + self.position_embeddings(position_ids)
+        if self.token_type_embeddings is not None:
+            if token_type_ids is None:
+                token_type_ids = torch.zeros(input_mask.shape, dtype=torch.long, device=input_mask.device)
+            embeddings = embeddings + self.token_type_embeddings(token_type_ids)
+        if self.embed_proj is not None:
+            embeddings = self.embed_proj(embeddings)
+        embeddings = self.LayerNorm(embeddings) * input_mask.unsqueeze(-1).to(embeddings.dtype)
+        return self.dropout(embeddings)
+
+
+
+class DisentangledSelfAttention(nn.Module):
+    """Multi-head disentangled self-attention: the c2c, c2p, p2c (and p2p) terms, each named, then one backend."""
+
+    def __init__(self, config: DisentangledConfig, layer_idx: int = 0):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.is_causal = False
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_size
+        inner = self.num_heads * self.head_dim
+        self.query_proj = nn.Linear(config.hidden_size, inner)
+        self.key_proj = nn.Linear(config.hidden_size, inner)
+        self.value_proj = nn.Linear(config.hidden_size, inner)
+
+        terms = config.pos_att_type
+        self.use_c2p = config.relative_attention and "c2p" in terms
+        self.use_p2c = config.relative_attention and "p2c" in terms
+        self.use_p2p = config.relative_attention and "p2p" in terms
+        self.share_att_key = config.share_att_key
+        if not self.share_att_key:  # v1/v2 checkpoints: separate projections of the relative embeddings
+            if self.use_c2p or self.use_p2p:
+                self.pos_key_proj = nn.Linear(config.hidden_size, inner)
+            if self.use_p2c or self.use_p2p:
+                self.pos_query_proj = nn.Linear(config.hidden_size, inner)
+        self.pos_dropout = nn.Dropout(config.hidden_dropout_prob)
+        # Checkpoints count every listed term in the scaling, also with relative_attention off.
+        self.scaling = head_scaling(self.head_dim, 1 + len(terms))
+        self.dropout_p = config.attention_probs_dropout_prob
+
+    def heads(self, x: Tensor) -> Tensor:
+        """[..., L, H * D] -> [..., H, L, D]."""
+        return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(-3, -2)
+
+    def position_scores(
+        self, query: Tensor, key: Tensor, rel_embeddings: Tensor, rel_index: Tensor
+    ) -> PositionScores | None:
+        """c2p, p2c and p2p scores against each of the 2S relative buckets, scaled (see `PositionScores`)."""
+        if not (self.use_c2p or self.use_p2c or self.use_p2p):
+            return None
+        rel_embeddings = self.pos_dropout(rel_embeddings)  # [2S, hidden]
+        key_proj = self.key_proj if self.share_att_key else getattr(self, "pos_key_proj", None)
+        query_proj = self.query_proj if self.share_att_key else getattr(self, "pos_query_proj", None)
+        # The scaling goes into the small [H, 2S, D] tables, never into [L, L] tensors.
+        pos_key = self.heads(key_proj(rel_embeddings)) * self.scaling if self.use_c2p or self.use_p2p else None
+        pos_query = self.heads(query_proj(rel_embeddings)) * self.scaling if self.use_p2c or self.use_p2p else None
+        c2p = query @ pos_key.mT if self.use_c2p else None  # [B, H, L, 2S]: q_i . Kr[r]
+        p2c = key @ pos_query.mT if self.use_p2c else None  # [B, H, L, 2S]: k_j . Qr[r]
+        p2p = None
+        if self.use_p2p:  # [H, 2S]: Qr[r] . Kr[mirror(r)], unscaled once more by the pos_key scaling
+            mirrored = pos_key[:, mirror_columns(pos_key.shape[-2], pos_key.device)] / self.scaling
+            p2p = (pos_query * mirrored).sum(-1)
+        return PositionScores(c2p=c2p, p2c=p2c, p2p=p2p, rel_index=rel_index)
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        rel_embeddings: Tensor | None,
+        attention_mask: Tensor | None,
+        rel_index: Tensor | None,
+        output_attentions: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        query = self.heads(self.query_proj(hidden_states))  # [B, H, L, D]
+        key = self.heads(self.key_proj(hidden_states))
+        value = self.heads(self.value_proj(hidden_states))
+        position_scores = (
+            self.position_scores(query, key, rel_embeddings, rel_index) if rel_embeddings is not None else None
+        )
+
+        implementation = "eager" if output_attentions else self.config._attn_implementation
+        dropout = self.dropout_p if self.training else 0.0
+        if implementation in DISENTANGLED_ATTENTION_FUNCTIONS or implementation is None:
+            attend = DISENTANGLED_ATTENTION_FUNCTIONS.get(implementation, eager_disentangled)
+            context, probs = attend(
+                self, query, key, value, attention_mask, scaling=self.scaling, dropout=dropout,
+                position_scores=position_scores,
+            )
+        else:  # an implementation registered with transformers: position terms and mask as one dense bias
+            attend = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_disentangled)
+            bias = dense_position_bias(position_scores, attention_mask, query.dtype)
+            context, probs = attend(self, query, key, value, bias, scaling=self.scaling, dropout=dropout)
+        return context.flatten(-2), probs  # [B, L, H * D]
+
+
+class DisentangledSelfOutput(nn.Module):
+    def __init__(self, config: DisentangledConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.num_attention_heads * config.head_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden_states: Tensor, residual: Tensor) -> Tensor:
+        return self.LayerNorm(self.dropout(self.dense(hidden_states)) + residual)
+
+
+class DisentangledAttention(nn.Module):
+    def __init__(self, config: DisentangledConfig, layer_idx: int = 0):
+        super().__init__()
+        self.self = DisentangledSelfAttention(config, layer_idx)
+        self.output = DisentangledSelfOutput(config)
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        rel_embeddings: Tensor | None,
+        attention_mask: Tensor | None,
+        rel_index: Tensor | None,
+        output_attentions: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        context, probs = self.self(hidden_states, rel_embeddings, attention_mask, rel_index, output_attentions)
+        return self.output(context, hidden_states), probs
+
+
+class DisentangledIntermediate(nn.Module):
+    def __init__(self, config: DisentangledConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.intermediate_act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return self.intermediate_act_fn(self.dense(hidden_states))
+
+
+class DisentangledOutput(nn.Module):
+    def __init__(self, config: DisentangledConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden_states: Tensor, residual: Tensor) -> Tensor:
+        return self.LayerNorm(self.dropout(self.dense(hidden_states)) + residual)
+
+
+class DisentangledLayer(GradientCheckpointingLayer):
+    """Attention, then feed-forward. The relative embeddings come in positionally, so that reentrant
+    checkpointing hands their gradient back instead of backpropagating twice through the shared LayerNorm."""
+
+    def __init__(self, config: DisentangledConfig, layer_idx: int = 0):
+        super().__init__()
+        self.attention = DisentangledAttention(config, layer_idx)
+        self.intermediate = DisentangledIntermediate(config)
+        self.output = DisentangledOutput(config)
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        rel_embeddings: Tensor | None,
+        attention_mask: Tensor | None,
+        rel_index: Tensor | None,
+        output_attentions: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        attention_output, probs = self.attention(
+            hidden_states, rel_embeddings, attention_mask, rel_index, output_attentions
+        )
+        return self.output(self.intermediate(attention_output), attention_output), probs
+
+
+class ConvLayer(nn.Module):
+    """deberta-v2-xlarge's convolution over the embeddings, added to the first layer's output."""
+
+    def __init__(self, config: DisentangledConfig):
+        super().__init__()
+        kernel = config.conv_kernel_size
+        self.conv = nn.Conv1d(
+            config.hidden_size, config.hidden_size, kernel, padding=(kernel - 1) // 2, groups=config.conv_groups
+        )
+        self.conv_act = ACT2FN[config.conv_act]
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, embeddings: Tensor, layer_output: Tensor, input_mask: Tensor) -> Tensor:
+        mask = input_mask.unsqueeze(-1).to(layer_output.dtype)  # [B, L, 1]
+        out = self.conv(embeddings.transpose(1, 2)).transpose(1, 2) * mask
+        out = self.conv_act(self.dropout(out))
+        return self.LayerNorm(layer_output + out) * mask
+
+
+class DisentangledEncoder(nn.Module):
+    def __init__(self, config: DisentangledConfig):
+        super().__init__()
+        self.config = config
+        self.layer = nn.ModuleList([DisentangledLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.relative_attention = config.relative_attention
+        self.span = config.relative_span
+        if self.relative_attention:
+            self.rel_embeddings = nn.Embedding(2 * self.span, config.hidden_size)
+        if "layer_norm" in config.norm_rel_ebd.split("|"):
+            self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.conv = ConvLayer(config) if config.conv_kernel_size > 0 else None
+        self.gradient_checkpointing = False
+
+    def get_rel_embedding(self) -> Tensor | None:
+        """The 2S relative embeddings P, normalised once per forward for all layers."""
+        if not self.relative_attention:
+            return None
+        rel_embeddings = self.rel_embeddings.weight
+        if hasattr(self, "LayerNorm"):
+            rel_embeddings = self.LayerNorm(rel_embeddings)
+        return rel_embeddings
+
+    def get_rel_index(self, length: int, device) -> Tensor | None:
+        if not self.relative_attention:
+            return None
+        return relative_index(
+            length,
+            span=self.span,
+            bucket_size=self.config.position_buckets,
+            max_position=self.config.max_relative_distance,
+            device=device,
+        )
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Tensor,
+        input_mask: Tensor,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+    ) -> BaseModelOutput:
+        rel_embeddings = self.get_rel_embedding()
+        rel_index = self.get_rel_index(hidden_states.shape[1], hidden_states.device)
+        embeddings = hidden_states
+        all_hidden_states = (hidden_states,) if output_hidden_states else None
+        all_attentions = () if output_attentions else None
+        for i, layer in enumerate(self.layer):
+            hidden_states, probs = layer(hidden_states, rel_embeddings, attention_mask, rel_index, output_attentions)
+            if i == 0 and self.conv is not None:
+                hidden_states = self.conv(embeddings, hidden_states, input_mask)
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            if output_attentions:
+                all_attentions += (probs,)
+        return BaseModelOutput(
+            last_hidden_state=hidden_states, hidden_states=all_hidden_states, attentions=all_attentions
+        )
+
+
+class DisentangledPreTrainedModel(PreTrainedModel):
+    config_class = DisentangledConfig
+    base_model_prefix = "deberta"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DisentangledEmbeddings", "DisentangledLayer"]
+    _supports_sdpa = True
+    _supports_flex_attn = False
+    _supports_flash_attn = False  # flash kernels take no arbitrary additive bias, and the position terms are one
+    _supports_attention_backend = True
+    _keys_to_ignore_on_load_unexpected = [r"position_embeddings", r"mask_predictions\."]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, (LegacyMLMPredictionHead, MLMPredictionHead)):
+            init.zeros_(module.bias)
+
+
+class DisentangledModel(DisentangledPreTrainedModel):
+    def __init__(self, config: DisentangledConfig):
+        super().__init__(config)
+        self.embeddings = DisentangledEmbeddings(config)
+        self.encoder = DisentangledEncoder(config)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, new_embeddings: nn.Embedding) -> None:
+        self.embeddings.word_embeddings = new_embeddings
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutput | tuple:
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
+        device = input_ids.device if input_ids is not None else inputs_embeds.device
+        if attention_mask is None:
+            attention_mask = torch.ones(shape, dtype=torch.long, device=device)
+        input_mask, pair_mask = self._masks(attention_mask, shape)
+
+        embeddings = self.embeddings(input_ids, token_type_ids, position_ids, input_mask, inputs_embeds)
+        outputs = self.encoder(embeddings, pair_mask, input_mask, output_hidden_states, output_attentions)
+        if not return_dict:
+            return tuple(v for v in (outputs.last_hidden_state, outputs.hidden_states, outputs.attentions) if v is not None)
+        return outputs
+
+    @staticmethod
+    def _masks(attention_mask: Tensor, shape: torch.Size) -> tuple[Tensor, Tensor]:
+        """[B, L] token mask and the boolean mask the backends take: [B, 1, 1, L] keys, or [B, 1, L, L] pairs."""
+        if attention_mask.dim() == 2:
+            input_mask = attention_mask != 0
+            return input_mask, input_mask[:, None, None, :]
+        pair_mask = attention_mask != 0  # [B, L, L]
+        return pair_mask.any(-2), pair_mask[:, None]
+
+
+def _loss_for_classification(config: DisentangledConfig, logits: Tensor, labels: Tensor) -> Tensor:
+    """DeBERTa's classification loss. With `problem_type` unset: one label is regression, integer labels are
+    cross-entropy over the examples whose label is >= 0, and per-class labels are soft targets."""
+    num_labels = logits.shape[-1]
+    if config.problem_type == "regression" or (config.problem_type is None and num_labels == 1):
+        return MSELoss()(logits.squeeze(-1), labels.squeeze(-1).to(logits.dtype)) if num_labels == 1 else MSELoss()(
+            logits, labels.to(logits.dtype)
+        )
+    if config.problem_type == "single_label_classification":
+        return CrossEntropyLoss()(logits.view(-1, num_labels), labels.view(-1))
+    if config.problem_type == "multi_label_classification":
+        return BCEWithLogitsLoss()(logits, labels.to(logits.dtype))
+    if labels.dim() == 1 or labels.shape[-1] == 1:
+        labels = labels.view(-1).long()
+        labeled = labels >= 0
+        if not labeled.any():
+            return logits.new_zeros(())
+        return CrossEntropyLoss()(logits[labeled].float(), labels[labeled])
+    return -(torch.log_softmax(logits, dim=-1) * labels).sum(-1).mean()
+
+
+class ContextPooler(nn.Module):
+    """The hidden state of the first token, through dropout, a dense layer and an activation."""
+
+    def __init__(self, config: DisentangledConfig):
+        super().__init__()
+        size = config.pooler_hidden_size or config.hidden_size
+        self.dense = nn.Linear(size, size)
+        self.dropout = nn.Dropout(config.pooler_dropout)
+        self.activation = ACT2FN[config.pooler_hidden_act]
+        self.output_dim = size
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return self.activation(self.dense(self.dropout(hidden_states[:, 0])))
+
+
+class LegacyMLMTransform(nn.Module):
+    def __init__(self, config: DisentangledConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.word_embedding_size)
+        self.transform_act_fn = ACT2FN[config.hidden_act]
+        self.LayerNorm = nn.LayerNorm(config.word_embedding_size, eps=config.layer_norm_eps)
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return self.LayerNorm(self.transform_act_fn(self.dense(hidden_states)))
+
+
+class LegacyMLMPredictionHead(nn.Module):
+    """transformers' layout (`cls.predictions`): transform, then a decoder tied to the word embeddings."""
+
+    def __init__(self, config: DisentangledConfig):
+        super().__init__()
+        self.transform = LegacyMLMTransform(config)
+        self.decoder = nn.Linear(config.word_embedding_size, config.vocab_size)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.decoder.bias = self.bias
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return self.decoder(self.transform(hidden_states))
+
+
+class LegacyMLMHead(nn.Module):
+    def __init__(self, config: DisentangledConfig):
+        super().__init__()
+        self.predictions = LegacyMLMPredictionHead(config)
+
+    def forward(self, sequence_output: Tensor) -> Tensor:
+        return self.predictions(sequence_output)
+
+
+class MLMPredictionHead(nn.Module):
+    """DeBERTa-v3's layout (`lm_predictions.lm_head`): transform, then the word embeddings themselves."""
+
+    def __init__(self, config: DisentangledConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.word_embedding_size)
+        self.transform_act_fn = ACT2FN[config.hidden_act]
+        self.LayerNorm = nn.LayerNorm(config.word_embedding_size, eps=config.layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, hidden_states: Tensor, word_embeddings: nn.Embedding) -> Tensor:
+        hidden_states = self.LayerNorm(self.transform_act_fn(self.dense(hidden_states)))
+        return hidden_states @ word_embeddings.weight.T + self.bias
+
+
+class MLMHead(nn.Module):
+    def __init__(self, config: DisentangledConfig):
+        super().__init__()
+        self.lm_head = MLMPredictionHead(config)
+
+    def forward(self, sequence_output: Tensor, word_embeddings: nn.Embedding) -> Tensor:
+        return self.lm_head(sequence_output, word_embeddings)
+
+
+_LEGACY_TIES = {
+    "cls.predictions.decoder.weight": "deberta.embeddings.word_embeddings.weight",
+    "cls.predictions.decoder.bias": "cls.predictions.bias",
+}
+
+
+class DisentangledForMaskedLM(DisentangledPreTrainedModel):
+    _tied_weights_keys = _LEGACY_TIES if TRANSFORMERS_5 else list(_LEGACY_TIES)
+
+    def __init__(self, config: DisentangledConfig):
+        super().__init__(config)
+        self.legacy = config.legacy
+        self.deberta = DisentangledModel(config)
+        if self.legacy:
+            self.cls = LegacyMLMHead(config)
+        else:  # the head reads the word embeddings directly: nothing to tie
+            self._tied_weights_keys = {} if TRANSFORMERS_5 else []
+            self.lm_predictions = MLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear | None:
+        return self.cls.predictions.decoder if self.legacy else None
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        if not self.legacy:
+            raise ValueError("the legacy=False MLM head reads the input embeddings; use set_input_embeddings")
+        self.cls.predictions.decoder = new_embeddings
+        self.cls.predictions.bias = new_embeddings.bias
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                **kwargs) -> nn.Embedding:
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, **kwargs)
+        vocab = embeddings.weight.shape[0]
+        head = self.cls.predictions if self.legacy else self.lm_predictions.lm_head
+        if head.bias.shape[0] != vocab:  # pad new tokens' bias with zeros, or cut it
+            bias = torch.zeros(vocab, dtype=head.bias.dtype, device=head.bias.device)
+            keep = min(vocab, head.bias.shape[0])
+            bias[:keep] = head.bias.data[:keep]
+            head.bias = nn.Parameter(bias)
+        if self.legacy:
+            head.decoder.bias = head.bias
+        return embeddings
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+        labels: Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> MaskedLMOutput | tuple:
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.deberta(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+            output_attentions, output_hidden_states, return_dict=True,
+        )
+        sequence_output = outputs.last_hidden_state
+        if self.legacy:
+            logits = self.cls(sequence_output)
+        else:
+            logits = self.lm_predictions(sequence_output, self.deberta.embeddings.word_embeddings)
+        loss = CrossEntropyLoss()(logits.view(-1, logits.shape[-1]), labels.view(-1)) if labels is not None else None
+        return _finish(MaskedLMOutput, return_dict, loss, outputs, logits=logits)
+
+
+class DisentangledForSequenceClassification(DisentangledPreTrainedModel):
+    def __init__(self, config: DisentangledConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.deberta = DisentangledModel(config)
+        self.pooler = ContextPooler(config)
+        self.classifier = nn.Linear(self.pooler.output_dim, config.num_labels)
+        self.dropout = nn.Dropout(config.cls_dropout if config.cls_dropout is not None else config.hidden_dropout_prob)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+        labels: Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> SequenceClassifierOutput | tuple:
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.deberta(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+            output_attentions, output_hidden_states, return_dict=True,
+        )
+        logits = self.classifier(self.dropout(self.pooler(outputs.last_hidden_state)))
+        loss = _loss_for_classification(self.config, logits, labels) if labels is not None else None
+        return _finish(SequenceClassifierOutput, return_dict, loss, outputs, logits=logits)
+
+
+class DisentangledForTokenClassification(DisentangledPreTrainedModel):
+    def __init__(self, config: DisentangledConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.deberta = DisentangledModel(config)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+        labels: Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> TokenClassifierOutput | tuple:
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.deberta(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+            output_attentions, output_hidden_states, return_dict=True,
+        )
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+        loss = None
+        if labels is not None:
+            loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.view(-1))
+        return _finish(TokenClassifierOutput, return_dict, loss, outputs, logits=logits)
+
+
+class DisentangledForQuestionAnswering(DisentangledPreTrainedModel):
+    def __init__(self, config: DisentangledConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.deberta = DisentangledModel(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+        start_positions: Tensor | None = None,
+        end_positions: Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> QuestionAnsweringModelOutput | tuple:
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.deberta(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+            output_attentions, output_hidden_states, return_dict=True,
+        )
+        logits = self.qa_outputs(outputs.last_hidden_state)
+        start_logits, end_logits = (part.squeeze(-1).contiguous() for part in logits.split(1, dim=-1))
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            ignored = start_logits.shape[1]  # positions outside the input are ignored
+            start_positions = start_positions.view(-1).clamp(0, ignored)
+            end_positions = end_positions.view(-1).clamp(0, ignored)
+            loss_fct = CrossEntropyLoss(ignore_index=ignored)
+            loss = (loss_fct(start_logits, start_positions) + loss_fct(end_logits, end_positions)) / 2
+        return _finish(
+            QuestionAnsweringModelOutput, return_dict, loss, outputs, start_logits=start_logits, end_logits=end_logits
+        )
+
+
+class DisentangledForMultipleChoice(DisentangledPreTrainedModel):
+    def __init__(self, config: DisentangledConfig):
+        super().__init__(config)
+        self.deberta = DisentangledModel(config)
+        self.pooler = ContextPooler(config)
+        self.classifier = nn.Linear(self.pooler.output_dim, 1)
+        self.dropout = nn.Dropout(config.cls_dropout if config.cls_dropout is not None else config.hidden_dropout_prob)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+        labels: Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> MultipleChoiceModelOutput | tuple:
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        num_choices = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+
+        def flat(x: Tensor | None) -> Tensor | None:  # [B, C, ...] -> [B * C, ...]
+            return x.flatten(0, 1) if x is not None else None
+
+        outputs = self.deberta(
+            flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids), flat(inputs_embeds),
+            output_attentions, output_hidden_states, return_dict=True,
+        )
+        logits = self.classifier(self.dropout(self.pooler(outputs.last_hidden_state))).view(-1, num_choices)
+        loss = CrossEntropyLoss()(logits, labels) if labels is not None else None
+        return _finish(MultipleChoiceModelOutput, return_dict, loss, outputs, logits=logits)
+
+
+def _finish(output_class, return_dict: bool, loss: Tensor | None, outputs: BaseModelOutput, **results):
+    """The head's output dataclass, or transformers' tuple layout: (loss,) + results + (hidden_states, attentions)."""
+    output = output_class(loss=loss, **results, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    return output if return_dict else output.to_tuple()
+
+
+__all__ = [
+    "DisentangledPreTrainedModel",
+    "DisentangledModel",
+    "DisentangledForMaskedLM",
+    "DisentangledForSequenceClassification",
+    "DisentangledForTokenClassification",
+    "DisentangledForQuestionAnswering",
+    "DisentangledForMultipleChoice",
+]

@@ -1,0 +1,32 @@
+"""disentangled: DeBERTa's disentangled attention as a first-class Hugging Face Transformers architecture.
+
+`import disentangled` registers `DisentangledConfig` and every head with transformers' Auto classes.
+"""
+
+from .configuration import DisentangledConfig
+from .modeling import (
+    DisentangledForMaskedLM,
+    DisentangledForMultipleChoice,
+    DisentangledForQuestionAnswering,
+    DisentangledForSequenceClassification,
+    DisentangledForTokenClassification,
+    DisentangledModel,
+    DisentangledPreTrainedModel,
+)
+from .registration import register
+
+register()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DisentangledConfig",
+    "DisentangledPreTrainedModel",
+    "DisentangledModel",
+    "DisentangledForMaskedLM",
+    "DisentangledForSequenceClassification",
+    "DisentangledForTokenClassification",
+    "DisentangledForQuestionAnswering",
+    "DisentangledForMultipleChoice",
+    "register",
+]
