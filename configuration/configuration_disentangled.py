@@ -131,8 +131,11 @@ class DisentangledConfig(PretrainedConfig):
             ("max_position_embeddings", max_position_embeddings),
         ):
             _require_positive_int(name, value)
-        for name, value in (("attention_head_size", attention_head_size), ("embedding_size", embedding_size),
-                            ("pooler_hidden_size", pooler_hidden_size)):
+        for name, value in (
+            ("attention_head_size", attention_head_size),
+            ("embedding_size", embedding_size),
+            ("pooler_hidden_size", pooler_hidden_size),
+        ):
             if value is not None:
                 _require_positive_int(name, value)
         if attention_head_size is None and hidden_size % num_attention_heads != 0:
@@ -141,11 +144,17 @@ class DisentangledConfig(PretrainedConfig):
                 "change one of them or set attention_head_size explicitly"
             )
         if not isinstance(type_vocab_size, int) or type_vocab_size < 0:
-            raise ValueError(f"type_vocab_size must be an integer >= 0 (0 disables token types), got {type_vocab_size!r}")
+            raise ValueError(
+                f"type_vocab_size must be an integer >= 0 (0 disables token types), got {type_vocab_size!r}"
+            )
         if not isinstance(conv_kernel_size, int) or conv_kernel_size < 0:
-            raise ValueError(f"conv_kernel_size must be an integer >= 0 (0 disables the conv layer), got {conv_kernel_size!r}")
+            raise ValueError(
+                f"conv_kernel_size must be an integer >= 0 (0 disables the conv layer), got {conv_kernel_size!r}"
+            )
         if conv_kernel_size > 0 and conv_kernel_size % 2 == 0:
-            raise ValueError(f"conv_kernel_size must be odd so the convolution keeps the length, got {conv_kernel_size}")
+            raise ValueError(
+                f"conv_kernel_size must be odd so the convolution keeps the length, got {conv_kernel_size}"
+            )
         _require_positive_int("conv_groups", conv_groups)
         if conv_kernel_size > 0 and hidden_size % conv_groups != 0:
             raise ValueError(f"conv_groups ({conv_groups}) must divide hidden_size ({hidden_size})")
@@ -161,14 +170,18 @@ class DisentangledConfig(PretrainedConfig):
             raise ValueError(f"layer_norm_eps must be > 0, got {layer_norm_eps!r}")
         norms = [part.strip() for part in str(norm_rel_ebd).lower().split("|") if part.strip()]
         if unknown := set(norms) - set(REL_EMBEDDING_NORMS):
-            raise ValueError(f"norm_rel_ebd: unsupported entries {sorted(unknown)}; allowed: {list(REL_EMBEDDING_NORMS)}")
+            raise ValueError(
+                f"norm_rel_ebd: unsupported entries {sorted(unknown)}; allowed: {list(REL_EMBEDDING_NORMS)}"
+            )
         if talking_head:
             raise ValueError(
                 "talking_head=True is not supported (no released DeBERTa checkpoint uses it); set talking_head=False"
             )
         if relative_attention:
             if not isinstance(position_buckets, int):
-                raise ValueError(f"position_buckets must be an integer (<= 0 disables buckets), got {position_buckets!r}")
+                raise ValueError(
+                    f"position_buckets must be an integer (<= 0 disables buckets), got {position_buckets!r}"
+                )
             if position_buckets > 0 and 0 < max_relative_positions <= position_buckets // 2:
                 raise ValueError(
                     f"max_relative_positions ({max_relative_positions}) must exceed position_buckets // 2 "

@@ -90,7 +90,6 @@ class DisentangledEmbeddings(nn.Module):
         return self.dropout(embeddings)
 
 
-
 class DisentangledSelfAttention(nn.Module):
     """Multi-head disentangled self-attention: the c2c, c2p, p2c (and p2p) terms, each named, then one backend."""
 
@@ -165,7 +164,13 @@ class DisentangledSelfAttention(nn.Module):
         if implementation in DISENTANGLED_ATTENTION_FUNCTIONS or implementation is None:
             attend = DISENTANGLED_ATTENTION_FUNCTIONS.get(implementation, eager_disentangled)
             context, probs = attend(
-                self, query, key, value, attention_mask, scaling=self.scaling, dropout=dropout,
+                self,
+                query,
+                key,
+                value,
+                attention_mask,
+                scaling=self.scaling,
+                dropout=dropout,
                 position_scores=position_scores,
             )
         else:  # an implementation registered with transformers: position terms and mask as one dense bias
@@ -387,7 +392,9 @@ class DisentangledModel(DisentangledPreTrainedModel):
         embeddings = self.embeddings(input_ids, token_type_ids, position_ids, input_mask, inputs_embeds)
         outputs = self.encoder(embeddings, pair_mask, input_mask, output_hidden_states, output_attentions)
         if not return_dict:
-            return tuple(v for v in (outputs.last_hidden_state, outputs.hidden_states, outputs.attentions) if v is not None)
+            return tuple(
+                v for v in (outputs.last_hidden_state, outputs.hidden_states, outputs.attentions) if v is not None
+            )
         return outputs
 
     @staticmethod
@@ -405,8 +412,10 @@ def _loss_for_classification(config: DisentangledConfig, logits: Tensor, labels:
     cross-entropy over the examples whose label is >= 0, and per-class labels are soft targets."""
     num_labels = logits.shape[-1]
     if config.problem_type == "regression" or (config.problem_type is None and num_labels == 1):
-        return MSELoss()(logits.squeeze(-1), labels.squeeze(-1).to(logits.dtype)) if num_labels == 1 else MSELoss()(
-            logits, labels.to(logits.dtype)
+        return (
+            MSELoss()(logits.squeeze(-1), labels.squeeze(-1).to(logits.dtype))
+            if num_labels == 1
+            else MSELoss()(logits, labels.to(logits.dtype))
         )
     if config.problem_type == "single_label_classification":
         return CrossEntropyLoss()(logits.view(-1, num_labels), labels.view(-1))
@@ -523,8 +532,9 @@ class DisentangledForMaskedLM(DisentangledPreTrainedModel):
         self.cls.predictions.decoder = new_embeddings
         self.cls.predictions.bias = new_embeddings.bias
 
-    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
-                                **kwargs) -> nn.Embedding:
+    def resize_token_embeddings(
+        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, **kwargs
+    ) -> nn.Embedding:
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, **kwargs)
         vocab = embeddings.weight.shape[0]
         head = self.cls.predictions if self.legacy else self.lm_predictions.lm_head
@@ -552,8 +562,14 @@ class DisentangledForMaskedLM(DisentangledPreTrainedModel):
     ) -> MaskedLMOutput | tuple:
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.deberta(
-            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-            output_attentions, output_hidden_states, return_dict=True,
+            input_ids,
+            attention_mask,
+            token_type_ids,
+            position_ids,
+            inputs_embeds,
+            output_attentions,
+            output_hidden_states,
+            return_dict=True,
         )
         sequence_output = outputs.last_hidden_state
         if self.legacy:
@@ -589,8 +605,14 @@ class DisentangledForSequenceClassification(DisentangledPreTrainedModel):
     ) -> SequenceClassifierOutput | tuple:
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.deberta(
-            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-            output_attentions, output_hidden_states, return_dict=True,
+            input_ids,
+            attention_mask,
+            token_type_ids,
+            position_ids,
+            inputs_embeds,
+            output_attentions,
+            output_hidden_states,
+            return_dict=True,
         )
         logits = self.classifier(self.dropout(self.pooler(outputs.last_hidden_state)))
         loss = _loss_for_classification(self.config, logits, labels) if labels is not None else None
@@ -621,8 +643,14 @@ class DisentangledForTokenClassification(DisentangledPreTrainedModel):
     ) -> TokenClassifierOutput | tuple:
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.deberta(
-            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-            output_attentions, output_hidden_states, return_dict=True,
+            input_ids,
+            attention_mask,
+            token_type_ids,
+            position_ids,
+            inputs_embeds,
+            output_attentions,
+            output_hidden_states,
+            return_dict=True,
         )
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
@@ -655,8 +683,14 @@ class DisentangledForQuestionAnswering(DisentangledPreTrainedModel):
     ) -> QuestionAnsweringModelOutput | tuple:
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.deberta(
-            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-            output_attentions, output_hidden_states, return_dict=True,
+            input_ids,
+            attention_mask,
+            token_type_ids,
+            position_ids,
+            inputs_embeds,
+            output_attentions,
+            output_hidden_states,
+            return_dict=True,
         )
         logits = self.qa_outputs(outputs.last_hidden_state)
         start_logits, end_logits = (part.squeeze(-1).contiguous() for part in logits.split(1, dim=-1))
@@ -701,8 +735,14 @@ class DisentangledForMultipleChoice(DisentangledPreTrainedModel):
             return x.flatten(0, 1) if x is not None else None
 
         outputs = self.deberta(
-            flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids), flat(inputs_embeds),
-            output_attentions, output_hidden_states, return_dict=True,
+            flat(input_ids),
+            flat(attention_mask),
+            flat(token_type_ids),
+            flat(position_ids),
+            flat(inputs_embeds),
+            output_attentions,
+            output_hidden_states,
+            return_dict=True,
         )
         logits = self.classifier(self.dropout(self.pooler(outputs.last_hidden_state))).view(-1, num_choices)
         loss = CrossEntropyLoss()(logits, labels) if labels is not None else None

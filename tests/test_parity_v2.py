@@ -17,7 +17,10 @@ import disentangled
 HEADS = {
     "Model": ("DebertaV2Model", disentangled.DisentangledModel),
     "MaskedLM": ("DebertaV2ForMaskedLM", disentangled.DisentangledForMaskedLM),
-    "SequenceClassification": ("DebertaV2ForSequenceClassification", disentangled.DisentangledForSequenceClassification),
+    "SequenceClassification": (
+        "DebertaV2ForSequenceClassification",
+        disentangled.DisentangledForSequenceClassification,
+    ),
     "TokenClassification": ("DebertaV2ForTokenClassification", disentangled.DisentangledForTokenClassification),
     "QuestionAnswering": ("DebertaV2ForQuestionAnswering", disentangled.DisentangledForQuestionAnswering),
     "MultipleChoice": ("DebertaV2ForMultipleChoice", disentangled.DisentangledForMultipleChoice),
@@ -35,7 +38,9 @@ def build_pair(tmp_path, shape: dict, head: str, **overrides):
     reference = getattr(transformers, reference_name)(config)
     inflate_weights(reference)
     reference.save_pretrained(tmp_path / "reference")
-    ours, info = ours_class.from_pretrained(tmp_path / "reference", output_loading_info=True, attn_implementation="eager")
+    ours, info = ours_class.from_pretrained(
+        tmp_path / "reference", output_loading_info=True, attn_implementation="eager"
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     return reference.eval(), ours.eval()
 
@@ -85,6 +90,7 @@ def check_parity(reference, ours, head: str, batch: dict, vocab_size: int) -> di
                 weights = weights * mask.view(*mask.shape, *([1] * (value.dim() - mask.dim()))).to(value.dtype)
             total = total + (value * weights).sum()
         return total
+
     loss_of(outputs_of(head, reference(**inputs))).backward()
     loss_of(outputs_of(head, ours(**inputs))).backward()
     problems = gradient_mismatches(ours, reference, rtol=1e-4)
