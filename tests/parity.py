@@ -46,24 +46,82 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = N
     return diff.max().item() if diff.numel() else 0.0
 
 
-def gradient_mismatches(ours: nn.Module, reference: nn.Module, rtol: float = 1e-4) -> list[str]:
-    """Parameters whose gradient differs by more than rtol * max|reference gradient| (same names in both).
+def gradient_mismatches(ours: nn.Module, reference_grads: dict[str, torch.Tensor], rtol: float = 1e-4) -> list[str]:
+    """Parameters whose gradient differs by more than rtol * max|reference gradient|.
 
-    A gradient that is zero in exact arithmetic (e.g. the c2p key bias, which softmax cancels) is float noise
-    on both sides; it is compared against 1e-3 of the largest gradient of the model instead of its own scale.
+    `reference_grads` maps our parameter names to the reference's gradients, one for every reference parameter;
+    parameters only we have (the zero key biases a v1 conversion adds) are not compared. A gradient that is zero in
+    exact arithmetic (e.g. a key bias, which softmax cancels) is float noise on both sides; it is compared
+    against 1e-3 of the largest gradient of the model instead of its own scale.
     """
-    reference_params = dict(reference.named_parameters())
-    overall = max(p.grad.abs().max().item() for p in reference.parameters() if p.grad is not None)
-    problems = []
-    for name, param in ours.named_parameters():
-        ref = reference_params[name]
-        if ref.grad is None and param.grad is None:
+    overall = max(g.abs().max().item() for g in reference_grads.values())
+    our_grads = {name: p.grad for name, p in ours.named_parameters() if p.grad is not None}
+    problems = [f"{name}: no gradient in ours" for name in reference_grads.keys() - our_grads.keys()]
+    for name, ref in reference_grads.items():
+        if name not in our_grads:
             continue
-        if (ref.grad is None) != (param.grad is None):
-            problems.append(f"{name}: gradient present on one side only")
-            continue
-        scale = max(ref.grad.abs().max().item(), 1e-3 * overall)
-        error = (param.grad - ref.grad).abs().max().item()
+        scale = max(ref.abs().max().item(), 1e-3 * overall)
+        error = (our_grads[name] - ref).abs().max().item()
         if error > rtol * scale + 1e-12:
             problems.append(f"{name}: max error {error:.3g} vs scale {scale:.3g}")
     return problems
+
+
+TOLERANCE = 1e-5  # float32, relative to the output's scale: |ours - ref| <= 1e-5 * max(1, max|ref|)
+
+
+def head_inputs(head: str, batch: dict) -> dict:
+    inputs = dict(batch)
+    if head == "MultipleChoice":  # [B, L] -> [1, B, L]: one question, B choices
+        inputs = {k: v.unsqueeze(0) for k, v in inputs.items()}
+    return inputs
+
+
+def outputs_of(head: str, output) -> dict[str, torch.Tensor]:
+    if head == "Model":
+        return {"last_hidden_state": output.last_hidden_state}
+    if head == "QuestionAnswering":
+        return {"start_logits": output.start_logits, "end_logits": output.end_logits}
+    return {"logits": output.logits}
+
+
+def real_positions(head: str, name: str, batch: dict) -> torch.Tensor | None:
+    if name in ("last_hidden_state", "start_logits", "end_logits") or head in ("MaskedLM", "TokenClassification"):
+        return batch["attention_mask"]
+    return None  # pooled heads: one value per sequence
+
+
+def check_parity(reference, ours, head: str, batch: dict, rename_gradients=None) -> dict[str, float]:
+    """Outputs at real positions and all parameter gradients; `rename_gradients` maps reference names to ours."""
+    inputs = head_inputs(head, batch)
+    expected = outputs_of(head, reference(**inputs))
+    actual = outputs_of(head, ours(**inputs))
+    diffs = {}
+    for name, value in expected.items():
+        mask = real_positions(head, name, batch)
+        diffs[name] = max_abs_diff(actual[name], value, mask) / max(1.0, value.abs().max().item())
+        assert torch.isfinite(actual[name]).all(), f"{name} has non-finite values (padded positions included)"
+    assert max(diffs.values()) <= TOLERANCE, diffs
+
+    # Gradients of a loss that reads real positions only.
+    reference.zero_grad()
+    ours.zero_grad()
+
+    def loss_of(outputs):
+        total = 0.0
+        for name, value in outputs.items():
+            mask = real_positions(head, name, batch)
+            weights = torch.linspace(-1, 1, value.numel()).view_as(value)  # fixed, non-trivial cotangent
+            if mask is not None:
+                weights = weights * mask.view(*mask.shape, *([1] * (value.dim() - mask.dim()))).to(value.dtype)
+            total = total + (value * weights).sum()
+        return total
+
+    loss_of(outputs_of(head, reference(**inputs))).backward()
+    loss_of(outputs_of(head, ours(**inputs))).backward()
+    reference_grads = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+    if rename_gradients is not None:
+        reference_grads = rename_gradients(reference_grads)
+    problems = gradient_mismatches(ours, reference_grads, rtol=1e-4)
+    assert not problems, problems
+    return diffs

@@ -1,0 +1,57 @@
+"""The `disentangled` command. Each subcommand lives in its own module, imported only when it runs.
+
+A command module exposes `add_arguments(parser)` and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "demo": ("disentangled.demo", "build a small DeBERTa-v3-style model and run it end to end"),
+    "convert": (
+        "disentangled.conversion.commands",
+        "convert a DeBERTa checkpoint (folder or Hub id) to this architecture",
+    ),
+    "push": ("disentangled.conversion.commands", "upload a converted folder to the Hub"),
+    "export-transformers": (
+        "disentangled.conversion.commands",
+        "export a converted folder back to transformers' DeBERTa-v2",
+    ),
+    "export-onnx": ("disentangled.onnx_export", "export a model folder to ONNX"),
+    "explain": ("disentangled.explain", "show each attention term (c2c, c2p, p2c, p2p) of a model on a text"),
+}
+
+
+def _command_function(module, prefix: str, command: str):
+    return getattr(module, f"{prefix}_{command.replace('-', '_')}", None) or getattr(module, prefix)
+
+
+def build_parser(command: str | None) -> argparse.ArgumentParser:
+    """The parser; only the chosen command's module is imported (for its arguments)."""
+    parser = argparse.ArgumentParser(prog="disentangled", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        subparser = subparsers.add_parser(name, help=help_text, description=help_text)
+        if name == command:
+            _command_function(importlib.import_module(module_name), "add_arguments", name)(subparser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
+    run = _command_function(importlib.import_module(COMMANDS[args.command][0]), "run", args.command)
+    try:
+        return int(run(args) or 0)
+    except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as error:
+        print(f"disentangled {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
