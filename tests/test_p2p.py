@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -102,3 +103,14 @@ def test_gradients_reach_the_position_projections_through_p2p(share_att_key):
         reached["pos_key_proj"] = attention.pos_key_proj.weight.grad
     for name, grad in reached.items():
         assert grad is not None and grad.abs().max() > 1e-6, f"no gradient reaches {name}"
+
+
+def test_explain_warns_where_its_p2p_and_the_models_differ():
+    from disentangled import explain_attention
+
+    model = DisentangledModel(DisentangledConfig(**TINY_P2P, position_buckets=-1, max_relative_positions=3))
+    with pytest.warns(UserWarning, match="differs from the model's score"):
+        explain_attention(model, input_ids=torch.randint(1, 30, (1, 8)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        explain_attention(model, input_ids=torch.randint(1, 30, (1, 3)))  # distances 0..2: nothing clipped

@@ -8,6 +8,8 @@ term by term, from the attention modules' own weights and the hidden states the 
     c2p = q_i . Kr[δ(i, j)]           Kr = P Wk_p  (Wk_p = Wk_c with share_att_key)
     p2c = k_j . Qr[δ(i, j)]           Qr = P Wq_p  (Wq_p = Wq_c with share_att_key)
     p2p = Qr[δ(i, j)] . Kr[δ(j, i)]   only when pos_att_type lists "p2p"; no released checkpoint does
+                                      (where i - j is clipped to the span, the model's own p2p reads Kr at
+                                      -δ(i, j) instead; `explain_attention` warns when a text gets there)
 
 δ(i, j) is the relative distance i - j, log-bucketed (v2/v3) or clipped (v1), as the model buckets it; both c2p
 and p2c read δ(i, j), as the released checkpoints were trained. A_ij is the score the model's eager attention
@@ -37,6 +39,7 @@ import argparse
 import json
 import math
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,6 +146,13 @@ def explain_attention(model: torch.nn.Module, **inputs: Tensor) -> AttentionTerm
         batch, length = hidden_states[0].shape[:2]
         valid = valid_pairs(inputs.get("attention_mask"), batch, length, hidden_states[0].device)
         column, delta = relative_columns(config, length, hidden_states[0].device)
+        if config.relative_attention and "p2p" in config.pos_att_type and reaches_clipping(config, length):
+            warnings.warn(
+                f"{length} tokens reach relative distances beyond the span of {config.relative_span} buckets: "
+                "for those pairs the model's p2p reads Kr at -δ(i, j) instead of δ(j, i), and the p2p term here "
+                "(the formula) differs from the model's score",
+                stacklevel=2,
+            )
         layers = []
         for index, layer in enumerate(encoder.layer):
             attention = layer.attention.self
@@ -195,6 +205,14 @@ def relative_columns(config, length: int, device) -> tuple[Tensor | None, Tensor
         distance = log_bucket(distance, config.position_buckets, config.max_relative_distance)
     column = (distance + span).clamp(0, 2 * span - 1)
     return column, column - span
+
+
+def reaches_clipping(config, length: int) -> bool:
+    """Whether the largest distance i - j = length - 1 buckets to span or more (and is clipped to span - 1)."""
+    longest = torch.tensor(length - 1)
+    if config.position_buckets > 0:
+        longest = log_bucket(longest, config.position_buckets, config.max_relative_distance)
+    return int(longest) >= config.relative_span
 
 
 def layer_terms(
@@ -356,6 +374,7 @@ def load(name: str, trust_remote_code: bool = False):
     config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # a head's weights are "unexpected" in the base model: expected
+    transformers_logging.disable_progress_bar()
     try:
         if config.model_type == "deberta-v2":
             model = DisentangledModel.from_pretrained(name)
@@ -363,6 +382,7 @@ def load(name: str, trust_remote_code: bool = False):
             model = AutoModel.from_pretrained(name, trust_remote_code=trust_remote_code)
     finally:
         transformers_logging.set_verbosity(verbosity)
+        transformers_logging.enable_progress_bar()
     attention = model.base_model.encoder.layer[0].attention.self if hasattr(model.base_model, "encoder") else None
     if not hasattr(attention, "use_c2p"):
         raise ValueError(f"{name} is a {type(model).__name__}, not a disentangled-attention model")
@@ -409,7 +429,7 @@ def run(args: argparse.Namespace) -> int:
             terms_name = FIGURES[0].format(layer=layer, head=args.head)
             plots.plot_terms(explanation.layers[layer], args.head, tokens, args.out / terms_name, layer_index=layer)
             plots.plot_shares(explanation, args.out / FIGURES[1])
-            plots.plot_distance_profile(explanation, args.out / FIGURES[2])
+            plots.plot_distance_profile(explanation, args.out / FIGURES[2], layer=layer)
             written += [args.out / terms_name, args.out / FIGURES[1], args.out / FIGURES[2]]
     if args.json is not None:
         text = json.dumps(statistics, indent=1)

@@ -76,29 +76,50 @@ def plot_shares(explanation: AttentionTerms, path: Path) -> Path:
     return path
 
 
-def plot_distance_profile(explanation: AttentionTerms, path: Path) -> Path:
-    """Mean of each position term by relative distance δ(i, j), one line per layer (c2c alone without them)."""
+def plot_distance_profile(explanation: AttentionTerms, path: Path, layer: int | None = None) -> Path:
+    """Mean of each position term by relative distance δ(i, j) (c2c alone without them).
+
+    Top row: each layer's mean over its heads. Bottom row (when `layer` is given): that layer's heads one by one,
+    where specialisation shows (a head whose c2p peaks at δ = 1 reads the previous token).
+    """
     names = [name for name in explanation.term_names if name != "c2c"] or ["c2c"]
-    figure = Figure(figsize=(4.2 * len(names), 3.4), layout="constrained")
-    axes = figure.subplots(1, len(names), squeeze=False, sharey=True)[0]
-    colors = colormaps["viridis"]
+    rows = 1 if layer is None else 2
+    figure = Figure(figsize=(4.2 * len(names), 3.2 * rows), layout="constrained")
+    axes = figure.subplots(rows, len(names), squeeze=False, sharex=True)
+    layer_colors, head_colors = colormaps["viridis"], colormaps["tab10"]
     count = len(explanation.layers)
-    for ax, name in zip(axes, names):
-        for index, layer in enumerate(explanation.layers):
+    for column, name in enumerate(names):
+        ax = axes[0, column]
+        for index, terms in enumerate(explanation.layers):
+            color = layer_colors(index / max(count - 1, 1))
             ax.plot(
-                layer.distances.numpy(),
-                layer.profile[name].mean(0).numpy(),
+                terms.distances.numpy(),
+                terms.profile[name].mean(0).numpy(),
                 marker=".",
-                color=colors(index / max(count - 1, 1)),
+                color=color,
                 label=f"layer {index}",
             )
-        ax.axhline(0, color="black", linewidth=0.6)
-        ax.axvline(0, color="grey", linewidth=0.4)
-        ax.set_xlabel("relative distance δ(i, j) = i - j" + (" (bucketed)" if name != "c2c" else ""))
-        ax.set_title(f"mean {name} by distance", fontsize=10)
-    axes[0].set_ylabel("mean score (scaled)")
+        ax.set_title(f"mean {name} by distance, mean of heads", fontsize=10)
+        if layer is not None:
+            terms = explanation.layers[layer]
+            ax = axes[1, column]
+            for head, values in enumerate(terms.profile[name]):
+                ax.plot(
+                    terms.distances.numpy(),
+                    values.numpy(),
+                    marker=".",
+                    color=head_colors(head % 10),
+                    label=f"head {head}",
+                )
+            ax.set_title(f"mean {name} by distance, layer {layer}", fontsize=10)
+        for ax in axes[:, column]:
+            ax.axhline(0, color="black", linewidth=0.6)
+            ax.axvline(0, color="grey", linewidth=0.4)
+        axes[-1, column].set_xlabel("relative distance δ(i, j) = i - j" + (" (bucketed)" if name != "c2c" else ""))
+    for row in axes:
+        row[0].set_ylabel("mean score (scaled)")
+        row[-1].legend(fontsize=7, ncol=1 + len(row[-1].get_lines()) // 10)
     if names == ["c2c"]:
-        axes[0].set_title("no position terms: mean c2c by distance", fontsize=10)
-    axes[-1].legend(fontsize=7, ncol=1 + count // 8)
+        figure.suptitle("no position terms: the content score by distance, for reference", fontsize=10)
     figure.savefig(path, dpi=110)
     return path
