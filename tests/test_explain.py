@@ -247,3 +247,14 @@ def test_command_rejects_a_layer_the_model_lacks(tmp_path, spm_model, capsys):
     folder = model_folder(tmp_path / "model", spm_model)
     assert main(["explain", str(folder), TEXT, "--layer", "5", "--no-plots"]) == 2
     assert "--layer 5" in capsys.readouterr().err
+
+
+def test_command_reads_a_transformers_deberta_v2_folder_as_ours(tmp_path, spm_model, capsys):
+    import transformers
+    from spm_fixture import write_deberta_v3_tokenizer_files
+
+    write_deberta_v3_tokenizer_files(tmp_path, spm_model)
+    fields = {key: value for key, value in V3.items() if key != "vocab_size"}
+    transformers.DebertaV2Model(transformers.DebertaV2Config(vocab_size=200, **fields)).save_pretrained(tmp_path)
+    assert main(["explain", str(tmp_path), TEXT, "--no-plots"]) == 0
+    assert "terms c2c + c2p + p2c" in capsys.readouterr().out

@@ -48,7 +48,6 @@ from torch import Tensor
 
 from .modeling.disentangled_attention import log_bucket
 
-TERMS = ("c2c", "c2p", "p2c", "p2p")
 STATISTICS = ("mean_abs", "std", "share", "row_share")
 
 
@@ -158,8 +157,10 @@ def explain_attention(model: torch.nn.Module, **inputs: Tensor) -> AttentionTerm
             attention = layer.attention.self
             terms = layer_terms(attention, hidden_states[index], rel_embeddings, column)
             probabilities = outputs.attentions[index] if outputs.attentions is not None else None
-            if probabilities is None:  # a backend that returns none: the eager definition
-                masked = sum(terms.values()).masked_fill(~valid[:, None], torch.finfo(torch.float32).min)
+            if probabilities is None:  # a backend that returns none: the eager definition, keys masked
+                pairs_given = inputs.get("attention_mask") is not None and inputs["attention_mask"].dim() == 3
+                allowed = valid if pairs_given else valid.any(-2, keepdim=True)  # [B, L or 1, L]
+                masked = sum(terms.values()).masked_fill(~allowed[:, None], torch.finfo(torch.float32).min)
                 probabilities = masked.softmax(-1)
             statistics, head_statistics = term_statistics(terms, valid)
             scores = sum(terms.values()).double().transpose(0, 1)[:, valid]
