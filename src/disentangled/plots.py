@@ -30,7 +30,8 @@ def plot_terms(
     probabilities = layer.probabilities[sequence, head, :length, :length]
 
     columns = len(panels) + 1
-    size = 1.6 + 0.16 * length
+    size = min(1.6 + 0.16 * length, 9.0)  # inches per panel; long texts get smaller labels instead
+    fontsize = max(2.5, min(7.0, 240 / length))
     figure = Figure(figsize=(size * columns, size + 0.9), layout="constrained")
     axes = figure.subplots(1, columns, squeeze=False)[0]
     for ax, (name, panel) in zip(axes, panels.items()):
@@ -41,8 +42,8 @@ def plot_terms(
     axes[-1].set_title("attention probabilities", fontsize=10)
     figure.colorbar(image, ax=axes[-1], shrink=0.8)
     for ax in axes:
-        ax.set_xticks(range(length), tokens, rotation=90, fontsize=7)
-        ax.set_yticks(range(length), tokens, fontsize=7)
+        ax.set_xticks(range(length), tokens, rotation=90, fontsize=fontsize)
+        ax.set_yticks(range(length), tokens, fontsize=fontsize)
         ax.set_xlabel("key j", fontsize=8)
     axes[0].set_ylabel("query i", fontsize=8)
     where = f"layer {layer_index}, head {head}" if layer_index is not None else f"head {head}"
