@@ -140,7 +140,7 @@ class DisentangledSelfAttention(nn.Module):
         p2c = key @ pos_query.mT if self.use_p2c else None  # [B, H, L, 2S]: k_j . Qr[r]
         p2p = None
         if self.use_p2p:  # [H, 2S]: Qr[r] . Kr[mirror(r)], unscaled once more by the pos_key scaling
-            mirrored = pos_key[:, mirror_columns(pos_key.shape[-2], pos_key.device)] / self.scaling
+            mirrored = pos_key[:, mirror_columns(pos_key.shape[-2] // 2, pos_key.device)] / self.scaling
             p2p = (pos_query * mirrored).sum(-1)
         return PositionScores(c2p=c2p, p2c=p2c, p2p=p2p, rel_index=rel_index)
 
