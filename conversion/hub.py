@@ -69,7 +69,7 @@ def push_folder(
 
     api = HfApi()
     try:
-        url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        url = api.create_repo(repo_id, private=private or None, exist_ok=True, repo_type="model")
         if revision:
             api.create_branch(url.repo_id, branch=revision, exist_ok=True)
         info = api.upload_folder(

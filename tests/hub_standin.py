@@ -96,7 +96,10 @@ class HubStandIn:
                 url = f"{hub.endpoint}/{repo_id}"
                 if repo_id in hub.repos:
                     return self._reply(409, {"error": "You already created this model repo", "url": url})
-                hub.repos[repo_id] = {"private": bool(payload.get("private")), "branches": {"main": {}}}
+                hub.repos[repo_id] = {
+                    "private": payload.get("private") is True or payload.get("visibility") == "private",
+                    "branches": {"main": {}},
+                }
                 self._reply(200, {"url": url, "name": repo_id})
 
             def _commit(self, repo_id: str, revision: str, body: bytes) -> None:
