@@ -404,9 +404,9 @@ def convert(
 
     staging = prepare_output(output_dir, force)
     try:
-        files = export_hub_folder(ours, staging, max_shard_size=max_shard_size)
+        export_hub_folder(ours, staging, max_shard_size=max_shard_size)
         del ours
-        copied = copy_tokenizer(read, checkpoint.model_type, staging, log=log)
+        copy_tokenizer(read, checkpoint.model_type, staging, log=log)
         figures = None
         batch = fixed_batch(config.vocab_size, config.max_position_embeddings, head.suffix == "ForMultipleChoice")
         if verify:
@@ -433,7 +433,6 @@ def convert(
         raise
     files = sorted(p.name for p in output_dir.iterdir())
     log(f"wrote {output_dir}: {', '.join(files)}")
-    del copied
     return ConversionResult(output_dir, checkpoint.task, checkpoint.model_type, figures, files)
 
 

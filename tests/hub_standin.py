@@ -26,6 +26,7 @@ class HubStandIn:
         self.commits: list[dict] = []
         self.authorization: list[str | None] = []
         self.validated_yaml: list[str] = []
+        self.pull_requests: list[dict] = []
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -111,6 +112,23 @@ class HubStandIn:
                 repo = hub.repos.get(repo_id)
                 if repo is None or (repo["private"] and self.headers.get("Authorization") != f"Bearer {repo['token']}"):
                     return self._error(401 if repo is not None else 404, "RepoNotFound", head)
+                if api and action == "discussions":
+                    pull_request = hub.pull_requests[int(revision) - 1]
+                    return self._reply(
+                        200,
+                        {
+                            "num": int(revision),
+                            "title": pull_request["title"],
+                            "author": {"name": "user"},
+                            "createdAt": "2026-01-01T00:00:00.000Z",
+                            "status": "open",
+                            "repo": {"name": repo_id, "type": "model"},
+                            "isPullRequest": True,
+                            "events": [],
+                            "changes": {"base": "refs/heads/main"},
+                            "filesWithConflicts": [],
+                        },
+                    )
                 files = hub.resolve(repo_id, revision)
                 if files is None:
                     return self._error(404, "RevisionNotFound", head)
@@ -150,7 +168,7 @@ class HubStandIn:
                 if parts[:2] == ["api", "validate-yaml"]:  # the README's metadata, checked before the upload
                     hub.validated_yaml.append(json.loads(body)["content"])
                     return self._reply(200, {"errors": [], "warnings": []})
-                if len(parts) >= 6 and parts[:2] == ["api", "models"]:
+                if len(parts) >= 5 and parts[:2] == ["api", "models"]:
                     repo_id, action, revision = f"{parts[2]}/{parts[3]}", parts[4], "/".join(parts[5:])
                     if repo_id not in hub.repos:
                         return self._reply(404, {"error": "Repository not found"})
@@ -160,6 +178,10 @@ class HubStandIn:
                         return self._reply(200, {"files": modes, "commitOid": None})
                     if action == "commit":
                         return self._commit(repo_id, revision, body)
+                    if action == "discussions":  # create_pull_request: the PR's ref is refs/pr/<num>
+                        hub.pull_requests.append({"repo_id": repo_id, **json.loads(body)})
+                        num = len(hub.pull_requests)
+                        return self._reply(200, {"num": num, "url": f"{hub.endpoint}/{repo_id}/discussions/{num}"})
                     if action == "branch":
                         hub.repos[repo_id]["branches"].setdefault(revision, {})
                         return self._reply(200, {})
@@ -173,6 +195,7 @@ class HubStandIn:
                 hub.repos[repo_id] = {
                     "private": payload.get("private") is True or payload.get("visibility") == "private",
                     "branches": {"main": {}},
+                    "token": (self.headers.get("Authorization") or "").removeprefix("Bearer "),
                 }
                 self._reply(200, {"url": url, "name": repo_id})
 

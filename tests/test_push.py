@@ -71,6 +71,12 @@ def test_convert_push_to_creates_the_repo_and_uploads_every_file_in_one_commit(t
         assert len(hub.commits) == 2 and hub.commits[1]["revision"] == "dev"
         assert hub.repos["me/tiny-v3-disentangled"]["branches"]["dev"] == local
 
+        # and as a pull request
+        pr = run_cli("push", out, "me/tiny-v3-disentangled", "--create-pr", endpoint=hub.endpoint)
+        assert pr.returncode == 0, pr.stderr
+        assert len(hub.pull_requests) == 1 and hub.commits[2]["revision"] == "refs/pr/1"
+        assert "/discussions/1" in pr.stdout
+
 
 def test_dry_run_touches_no_network(tmp_path, source):
     out = tmp_path / "out"
@@ -96,6 +102,7 @@ def test_convert_from_a_private_hub_repo_at_a_revision_then_offline(tmp_path):
         for branch, folder in folders.items():
             files = {p.name: p.read_bytes() for p in folder.iterdir()}
             files["modeling_evil.py"] = b"raise SystemExit('source code was run')\n"  # never downloaded nor run
+            files["README.md"] = b"---\nlicense: mit\n---\n# tiny\n"
             hub.add_repo("acme/tiny-deberta", files, branch=branch, private=True, token=TOKEN)
         env = {"HF_HUB_CACHE": str(cache)}
 
@@ -117,7 +124,7 @@ def test_convert_from_a_private_hub_repo_at_a_revision_then_offline(tmp_path):
     key = "deberta.embeddings.word_embeddings.weight"
     assert torch.equal(converted[key], expected[key])
     card = (out / "README.md").read_text()
-    assert "base_model: acme/tiny-deberta" in card and "revision `other`" in card
+    assert "base_model: acme/tiny-deberta" in card and "revision `other`" in card and "license: mit" in card
 
     # The stand-in is gone: offline mode converts from the local cache.
     offline = run_cli(
