@@ -2,8 +2,9 @@
 
 In order: `canonical_checkpoint` (any source layout -> transformers' own DeBERTa layout and config),
 `convert_config`, `convert_state_dict` (rename every key, assert every shape), strict loads, `export_hub_folder`
-(config.json with auto_map, safetensors, tokenizer, the flat remote code), then `verify_folder`: the source through
-transformers' classes and the folder through its bundled remote code, on the same fixed padded batch.
+(config.json with auto_map, safetensors, tokenizer, the flat remote code), then parity (`load_bundled`, `compare`):
+the source through transformers' classes and the folder through its bundled remote code, on the same fixed
+padded batch. `convert` runs them all and moves the folder into place only when every step passed.
 """
 
 from __future__ import annotations
