@@ -191,9 +191,13 @@ def test_tokenizer_of_hub_layout_sources_gives_the_source_ids(converted, latest_
         config = json.loads((case.output / "tokenizer_config.json").read_text())
         assert config["tokenizer_class"] == "DebertaV2Tokenizer"
         assert report["cases"][case.name]["ids"] == source_ids(case)
+        assert report["cases"][case.name]["ids_declined"] == source_ids(case)
+        between = report["stdout"].split(f"TOKENIZER {case.name} BEGIN")[1].split(f"TOKENIZER {case.name} END")[0]
+        assert "custom code" not in between, between  # trust_remote_code=False: no prompt, no model code
 
 
 def test_tokenizer_on_transformers_4_57_same_ids_and_no_prompt(converted, child_4_57):
+    """transformers 4.57 reads tokenizer_config.json's tokenizer_class first: no prompt even without the argument."""
     _, report = child_4_57
     assert "Do you wish to run the custom code" not in report["stdout"]
     for case in (case for case in converted if case.tokenizer):
