@@ -1,0 +1,103 @@
+"""transformers pipelines on our models, loaded through the installed package and, in a fresh process where the
+package cannot be imported, as remote code; every result checked against a direct forward pass (pipeline_checks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from pipeline_checks import HEADS, PIPELINE_CHECKS, check_answer_span
+from tiny_models import export_remote_code, save_tiny, tokenizer
+
+import disentangled
+from disentangled import qa
+from disentangled.qa import answer_question
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    tok = tokenizer()
+    made = {}
+    for seed, (name, (class_name, config)) in enumerate(HEADS.items()):
+        config = dict(config)
+        if "id2label" in config:
+            config["label2id"] = {label: index for index, label in config["id2label"].items()}
+        made[name] = save_tiny(tmp_path_factory.mktemp(name), getattr(disentangled, class_name), tok, seed, **config)
+    return made
+
+
+@pytest.mark.parametrize("check", PIPELINE_CHECKS, ids=lambda check: check.__name__)
+def test_pipeline_through_the_installed_package(folders, check):
+    check(folders, trust_remote_code=False)
+
+
+def test_answer_span_helper(folders):
+    check_answer_span(folders, False, answer_question)
+
+
+def test_pipelines_as_remote_code_without_the_package(folders, tmp_path):
+    remote = {name: str(export_remote_code(folder)) for name, folder in folders.items()}
+    script = Path(__file__).with_name("pipeline_checks.py")
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    result = subprocess.run(
+        [sys.executable, str(script), json.dumps(remote), qa.__file__],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    assert result.stdout.count(": ok") == len(PIPELINE_CHECKS) + 1
+
+
+class PointsAt(torch.nn.Module):
+    """A QA model whose start and end logits peak at one token id, on top of a real model's logits."""
+
+    def __init__(self, model, token_id: int):
+        super().__init__()
+        self.model, self.token_id, self.device = model, token_id, model.device
+
+    def forward(self, input_ids, **kwargs):
+        out = self.model(input_ids=input_ids, **kwargs)
+        boost = 20.0 * (input_ids == self.token_id)
+        out.start_logits = out.start_logits + boost
+        out.end_logits = out.end_logits + boost
+        return out
+
+
+def test_answer_span_in_a_long_context_with_stride(folders):
+    model = disentangled.DisentangledForQuestionAnswering.from_pretrained(folders["qa"]).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(folders["qa"])
+    filler = " ".join(["the lazy dog sat under the tree by the river bank"] * 12)
+    context = f"{filler} and the capital city is berlin, {filler}"
+    (berlin,) = tok("berlin", add_special_tokens=False)["input_ids"][-1:]
+    windows = tok(
+        "which city", context, truncation="only_second", max_length=48, stride=16, return_overflowing_tokens=True
+    )
+    assert len(windows["input_ids"]) > 4  # the answer is far from the first window
+
+    answer = answer_question(PointsAt(model, berlin), tok, "which city", context, max_seq_len=48, doc_stride=16)
+    assert answer["answer"] == context[answer["start"] : answer["end"]]
+    assert answer["answer"].strip() == "berlin,"  # widened to the whole (whitespace-split) word
+    assert answer["start"] >= context.index("berlin") - 1
+    assert answer["score"] > 0.9
+
+    # [CLS] is the "no answer" position: when it wins in every window, the empty answer comes first.
+    none = answer_question(
+        PointsAt(model, tok.cls_token_id),
+        tok,
+        "which city",
+        context,
+        max_seq_len=48,
+        doc_stride=16,
+        top_k=3,
+        handle_impossible_answer=True,
+    )
+    assert none[0]["answer"] == "" and none[0]["score"] > 0.9

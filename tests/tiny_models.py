@@ -1,0 +1,95 @@
+"""Tiny models with a SentencePiece tokenizer, saved as folders the ecosystem tests load like Hub checkpoints.
+
+`save_tiny` writes a model in our format (loaded through the installed package); `export_remote_code` turns such a
+folder into a flat remote-code folder (config.json `auto_map` + the bundled code) that loads with
+`trust_remote_code=True`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from spm_fixture import train_spm
+
+import disentangled
+from disentangled import DisentangledConfig
+from disentangled.registration import AUTO_CLASSES
+from disentangled.tokenization import tokenizer_from_spm
+
+TINY_CONFIG = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=256,
+    position_buckets=32,
+    max_relative_positions=128,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
+
+
+@functools.cache
+def spm_model() -> Path:
+    """One SentencePiece model per test session (DeBERTa-v3's special ids, the fixture's words)."""
+    return train_spm(Path(tempfile.mkdtemp(prefix="spm-")))
+
+
+def tokenizer():
+    """A fresh DeBERTa-v2 tokenizer over `spm_model()`."""
+    return tokenizer_from_spm(spm_model(), check_text="the quick brown fox sat on the mat")
+
+
+def tiny_config(tokenizer, **overrides) -> DisentangledConfig:
+    return DisentangledConfig(
+        **{**TINY_CONFIG, "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id, **overrides}
+    )
+
+
+def save_tiny(folder: Path, model_class, tokenizer, seed: int = 0, **config) -> Path:
+    """A seeded tiny `model_class` and the tokenizer, saved to `folder`."""
+    torch.manual_seed(seed)
+    model = model_class(tiny_config(tokenizer, **config)).eval()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return Path(folder)
+
+
+def export_remote_code(folder: Path) -> Path:
+    """Copy the configuration and modeling files next to the weights and point `auto_map` at them."""
+    sources = {
+        "configuration_disentangled.py": Path(disentangled.configuration.__file__).parent
+        / "configuration_disentangled.py",
+        **{
+            path.name: path
+            for path in Path(disentangled.modeling.__file__).parent.glob("*.py")
+            if path.name != "__init__.py"
+        },
+    }
+    for name, source in sources.items():
+        text = source.read_text()
+        text = re.sub(
+            r"from \.\.configuration\.configuration_disentangled import",
+            "from .configuration_disentangled import",
+            text,
+        )
+        (Path(folder) / name).write_text(text)
+    config_file = Path(folder) / "config.json"
+    config = json.loads(config_file.read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_disentangled.DisentangledConfig"} | {
+        auto_name: f"modeling_disentangled.{model_class.__name__}"
+        for auto_name, (_, model_class) in AUTO_CLASSES.items()
+    }
+    config_file.write_text(json.dumps(config, indent=2))
+    return Path(folder)
+
+
+def copy_folder(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target)
+    return target
