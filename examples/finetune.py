@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     logger.setLevel(training_args.get_process_log_level())
     transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
     datasets.utils.logging.set_verbosity(training_args.get_process_log_level())
-    logger.info(
+    logger.warning(  # every process says who it is
         "process %d of %d, device %s", training_args.process_index, training_args.world_size, training_args.device
     )
     set_seed(training_args.seed)

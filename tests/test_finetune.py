@@ -79,14 +79,16 @@ def test_resume_from_checkpoint_gives_the_same_losses(tmp_path):
     assert resumed["train"]["train_loss"] == pytest.approx(sum(full[step] for step in (4, 5, 6)) / 3, rel=1e-3)
 
 
-def test_gradient_checkpointing_and_bf16_train_on_cpu(tmp_path):
+def test_gradient_checkpointing_bf16_and_accumulation_train_on_cpu(tmp_path):
     train, _ = sentiment_files(tmp_path, train=64)
     results = run_finetune(
         "--model_name_or_path", pretrained_folder(tmp_path / "model"), "--train_file", train,
         "--output_dir", tmp_path / "out", "--do_train", "--max_steps", 3, "--logging_steps", 1,
-        "--per_device_train_batch_size", 8, "--save_strategy", "no", "--gradient_checkpointing", "--bf16",
+        "--per_device_train_batch_size", 8, "--save_strategy", "no", "--gradient_checkpointing", "--bf16", "--gradient_accumulation_steps", 2,
     )  # fmt: skip
-    assert all(torch.isfinite(torch.tensor(loss)) for loss in losses(results["log_history"]).values())
+    logged = list(losses(results["log_history"]).values())
+    assert len(logged) == 3 and all(torch.isfinite(torch.tensor(loss)) for loss in logged)
+    assert abs(logged[0] - 0.693) < 0.05  # ln 2, averaged over the accumulated micro-batches (not summed)
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
