@@ -470,6 +470,10 @@ class LegacyMLMPredictionHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.decoder.bias = self.bias
 
+    def _tie_weights(self) -> None:
+        # transformers 4.57 loads a missing tied key as a new tensor, then calls this hook: tie the bias back.
+        self.decoder.bias = self.bias
+
     def forward(self, hidden_states: Tensor) -> Tensor:
         return self.decoder(self.transform(hidden_states))
 
