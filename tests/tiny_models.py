@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import functools
 import json
-import re
-import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 from spm_fixture import train_spm
 
-import disentangled
 from disentangled import DisentangledConfig
-from disentangled.registration import AUTO_CLASSES
+from disentangled.conversion.bundle import auto_map, write_bundle
 from disentangled.tokenization import tokenizer_from_spm
 
 TINY_CONFIG = dict(
@@ -62,34 +59,10 @@ def save_tiny(folder: Path, model_class, tokenizer, seed: int = 0, **config) -> 
 
 
 def export_remote_code(folder: Path) -> Path:
-    """Copy the configuration and modeling files next to the weights and point `auto_map` at them."""
-    sources = {
-        "configuration_disentangled.py": Path(disentangled.configuration.__file__).parent
-        / "configuration_disentangled.py",
-        **{
-            path.name: path
-            for path in Path(disentangled.modeling.__file__).parent.glob("*.py")
-            if path.name != "__init__.py"
-        },
-    }
-    for name, source in sources.items():
-        text = source.read_text()
-        text = re.sub(
-            r"from \.\.configuration\.configuration_disentangled import",
-            "from .configuration_disentangled import",
-            text,
-        )
-        (Path(folder) / name).write_text(text)
+    """Add the converter's remote-code bundle and `auto_map` to a saved folder."""
+    write_bundle(folder)
     config_file = Path(folder) / "config.json"
     config = json.loads(config_file.read_text())
-    config["auto_map"] = {"AutoConfig": "configuration_disentangled.DisentangledConfig"} | {
-        auto_name: f"modeling_disentangled.{model_class.__name__}"
-        for auto_name, (_, model_class) in AUTO_CLASSES.items()
-    }
+    config["auto_map"] = auto_map()
     config_file.write_text(json.dumps(config, indent=2))
     return Path(folder)
-
-
-def copy_folder(source: Path, target: Path) -> Path:
-    shutil.copytree(source, target)
-    return target

@@ -29,6 +29,37 @@ def corpus_lines(count: int = 3000, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(VOCABULARY) for _ in range(rng.randint(4, 14))) + "." for _ in range(count)]
 
 
+def train_sentencepiece(directory: str | Path, lines: list[str], vocab_size: int = 100) -> Path:
+    """A unigram SentencePiece model on `lines`, with DeBERTa-v3's reserved ids ([PAD] 0, [CLS] 1, [SEP] 2,
+    [UNK] 3); returns the path of `spm.model` in `directory`."""
+    import sentencepiece
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    corpus = directory / "corpus.txt"
+    corpus.write_text("\n".join(lines))
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(directory / "spm"),
+        vocab_size=vocab_size,
+        model_type="unigram",
+        pad_id=0,
+        pad_piece="[PAD]",
+        bos_id=1,
+        bos_piece="[CLS]",
+        eos_id=2,
+        eos_piece="[SEP]",
+        unk_id=3,
+        unk_piece="[UNK]",
+        character_coverage=1.0,
+        num_threads=1,
+        minloglevel=2,
+    )
+    corpus.unlink()
+    (directory / "spm.vocab").unlink(missing_ok=True)
+    return directory / "spm.model"
+
+
 def sentiment_examples(count: int, seed: int = 0) -> list[dict]:
     """`{"text", "label"}`: neutral words around one sentiment word; the label says which kind ("negative" /
     "positive"), so a model must find that word wherever it is. Balanced; chance is 0.5."""
