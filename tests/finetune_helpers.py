@@ -54,7 +54,7 @@ def fresh_process_check() -> str:
         "folder = sys.argv[1]\n"
         "model = transformers.AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True)\n"
         "assert type(model).__module__.startswith('transformers_modules'), type(model).__module__\n"
-        "tok = transformers.AutoTokenizer.from_pretrained(folder)\n"
+        "tok = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)\n"
         "pipe = transformers.pipeline('text-classification', model=model, tokenizer=tok, trust_remote_code=True)\n"
         "print([r['label'] for r in pipe(['we love this great story', 'the movie was terrible'])])\n"
     )

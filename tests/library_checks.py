@@ -27,7 +27,7 @@ def check_cross_encoder(folder: Path, trust_remote_code: bool) -> None:
     scores = encoder.predict(PAIRS, convert_to_tensor=True)
 
     model = transformers.AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    tok = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     with torch.no_grad():
         logits = model(**tok([q for q, _ in PAIRS], [p for _, p in PAIRS], padding=True, return_tensors="pt")).logits
     torch.testing.assert_close(scores.float(), logits[:, 0].sigmoid(), rtol=1e-4, atol=1e-5)
@@ -48,7 +48,7 @@ def check_sentence_transformer(folder: Path, trust_remote_code: bool) -> None:
     embeddings = encoder.encode(texts, convert_to_tensor=True)
 
     model = transformers.AutoModel.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    tok = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     encoded = tok(texts, padding=True, return_tensors="pt")
     with torch.no_grad():
         hidden = model(**encoded).last_hidden_state

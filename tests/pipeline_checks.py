@@ -148,7 +148,7 @@ def check_answer_span(folders, trust_remote_code, answer_question):
     model = transformers.AutoModelForQuestionAnswering.from_pretrained(
         folders["qa"], trust_remote_code=trust_remote_code
     ).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(folders["qa"])
+    tok = transformers.AutoTokenizer.from_pretrained(folders["qa"], trust_remote_code=trust_remote_code)
     question, context = "where is the capital of france", "the capital of france is paris and the city is on a river"
     score, start, end = best_span(model, tok, question, context)
     answer = answer_question(model, tok, question, context, align_to_words=False)
