@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 from pipeline_checks import HEADS, PIPELINE_CHECKS, check_answer_span
+from spm_fixture import corpus_lines
 from tiny_models import export_remote_code, save_tiny, tokenizer
 
 import disentangled
@@ -101,3 +102,47 @@ def test_answer_span_in_a_long_context_with_stride(folders):
         handle_impossible_answer=True,
     )
     assert none[0]["answer"] == "" and none[0]["score"] > 0.9
+
+
+def test_answer_question_matches_the_transformers_4_57_pipeline(folders, tmp_path):
+    from isolated import PYTHON_4_57, run_isolated
+
+    if not PYTHON_4_57.exists():
+        pytest.skip(f"no transformers 4.57 environment at {PYTHON_4_57} (.ci/run creates it)")
+    folder = export_remote_code(folders["qa"])
+    # No repeated phrases: repeats score alike, and float noise would decide between equal answers.
+    long_context = " ".join(corpus_lines(12, seed=3))
+    windows = tokenizer()(
+        "which city", long_context, truncation="only_second", max_length=48, stride=16, return_overflowing_tokens=True
+    )
+    assert len(windows["input_ids"]) >= 3
+    cases = [
+        {"question": "where is the capital of france", "context": "the capital of france is paris.", "kwargs": {}},
+        {
+            "question": "which city",
+            "context": long_context,
+            "kwargs": {"max_seq_len": 48, "doc_stride": 16, "top_k": 5},
+        },
+        {
+            "question": "which river",
+            "context": long_context,
+            "kwargs": {"max_seq_len": 64, "doc_stride": 24, "top_k": 3, "handle_impossible_answer": True},
+        },
+    ]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    result = run_isolated(
+        PYTHON_4_57, Path(__file__).with_name("qa_pipeline_457.py"), [str(folder), str(tmp_path / "cases.json")]
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.split("REPORT ", 1)[1])
+    assert report["transformers"].startswith("4.57.")
+
+    model = disentangled.DisentangledForQuestionAnswering.from_pretrained(folder).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    for case, expected in zip(cases, report["answers"]):
+        ours = answer_question(model, tok, case["question"], case["context"], **case["kwargs"])
+        ours = ours if isinstance(ours, list) else [ours]
+        assert [(a["start"], a["end"], a["answer"]) for a in ours] == [
+            (a["start"], a["end"], a["answer"]) for a in expected
+        ]
+        assert [a["score"] for a in ours] == pytest.approx([a["score"] for a in expected], rel=1e-4, abs=1e-7)

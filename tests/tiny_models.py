@@ -17,7 +17,7 @@ from spm_fixture import train_spm
 
 from disentangled import DisentangledConfig
 from disentangled.conversion.bundle import auto_map, write_bundle
-from disentangled.tokenization import tokenizer_from_spm
+from disentangled.tokenization import SPM_TOKENIZER_CONFIG, tokenizer_from_spm
 
 TINY_CONFIG = dict(
     hidden_size=32,
@@ -50,11 +50,13 @@ def tiny_config(tokenizer, **overrides) -> DisentangledConfig:
 
 
 def save_tiny(folder: Path, model_class, tokenizer, seed: int = 0, **config) -> Path:
-    """A seeded tiny `model_class` and the tokenizer, saved to `folder`."""
+    """A seeded tiny `model_class` and the tokenizer, saved to `folder`; the tokenizer as DeBERTa-v3 ships it on the
+    Hub (spm.model + tokenizer_config.json naming the class), which transformers 4.57 and 5 both load."""
     torch.manual_seed(seed)
     model = model_class(tiny_config(tokenizer, **config)).eval()
     model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    (Path(folder) / "spm.model").write_bytes(spm_model().read_bytes())
+    (Path(folder) / "tokenizer_config.json").write_text(json.dumps(SPM_TOKENIZER_CONFIG))
     return Path(folder)
 
 

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -62,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    if importlib.util.find_spec("accelerate") is None:
+        raise ValueError(
+            "the demo fine-tunes with transformers' Trainer, which needs accelerate: pip install 'disentangled[train]'"
+        )
     if args.output_dir:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         return _run(args, Path(args.output_dir).absolute(), started)
