@@ -4,9 +4,6 @@ package cannot be imported, as remote code; every result checked against a direc
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -42,18 +39,17 @@ def test_answer_span_helper(folders):
     check_answer_span(folders, False, answer_question)
 
 
-def test_pipelines_as_remote_code_without_the_package(folders, tmp_path):
+@pytest.mark.parametrize("version", ["latest", "4.57"])
+def test_pipelines_as_remote_code_without_the_package(folders, version):
+    """Every pipeline check in a process where `disentangled` cannot be imported, on this interpreter's transformers
+    and on transformers 4.57 (the venv .ci/run makes)."""
+    from isolated import PYTHON_4_57, run_isolated, system_python
+
+    if version == "4.57" and not PYTHON_4_57.exists():
+        pytest.skip(f"no transformers 4.57 environment at {PYTHON_4_57} (.ci/run creates it)")
     remote = {name: str(export_remote_code(folder)) for name, folder in folders.items()}
-    script = Path(__file__).with_name("pipeline_checks.py")
-    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    result = subprocess.run(
-        [sys.executable, str(script), json.dumps(remote), qa.__file__],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-    )
+    python = PYTHON_4_57 if version == "4.57" else system_python()
+    result = run_isolated(python, Path(__file__).with_name("pipeline_checks.py"), [json.dumps(remote), qa.__file__])
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     assert result.stdout.count(": ok") == len(PIPELINE_CHECKS) + 1
 
