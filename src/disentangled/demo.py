@@ -103,16 +103,16 @@ def _run(args: argparse.Namespace, folder: Path, started: float) -> int:
     command += ["--epochs", str(args.epochs), "--learning-rate", str(learning_rate), "--seed", str(args.seed)]
     if args.model:
         command += ["--warmup-steps", "20"]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    child = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=None, text=True, bufsize=1)
-    # The child's report, printed as it is (its progress bars went straight to stderr).
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     result_line = ""
-    for line in child.stdout.splitlines():
-        if line.startswith("RESULT "):
-            result_line = line
-        else:
-            print(line)
-    if child.returncode != 0:
+    # The child's report, line by line as it comes (its progress bars go straight to stderr).
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True, bufsize=1) as child:
+        for line in child.stdout:
+            if line.startswith("RESULT "):
+                result_line = line
+            else:
+                print(line, end="", flush=True)
+    if child.returncode != 0 or not result_line:
         print(f"disentangled demo: the fresh process failed (exit {child.returncode})", file=sys.stderr)
         return 1
     figures = dict(part.split("=") for part in result_line.split()[1:])
