@@ -3,8 +3,8 @@
 
 In the style of transformers' `run_glue.py` / `run_ner.py`: a model folder or Hub id, local CSV / JSON-lines files
 read with `datasets`, every `TrainingArguments` option on the command line, metrics computed here (nothing is
-downloaded), progress bars, and a saved model that loads back the way the input did (with `trust_remote_code=True`
-when the input carried remote code).
+downloaded), progress bars, and a saved model that loads back with `trust_remote_code=True`, also where this package
+is not installed (the folder carries the model code).
 
     python examples/finetune.py --model_name_or_path ./deberta-v3-xsmall-disentangled --trust_remote_code \\
         --task text-classification --train_file train.csv --validation_file dev.csv \\
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,20 +147,20 @@ def compute_metrics(prediction: EvalPrediction) -> dict[str, float]:
     return {"accuracy": float(np.mean(predicted == labels)), "macro_f1": float(np.mean(f1s))}
 
 
-def carry_remote_code(source: str, output_dir: str) -> None:
-    """Copy a local source folder's bundled code and `auto_map` into the saved folder, so that the fine-tuned model
-    loads with `trust_remote_code=True` even though, with the package installed, its own classes were used."""
-    source_config = Path(source) / "config.json"
-    if not source_config.is_file():
-        return  # a Hub id: transformers copies the code itself when it ran it
-    auto_map = json.loads(source_config.read_text()).get("auto_map")
-    if not auto_map:
+def add_remote_code(model, output_dir: str) -> None:
+    """Make the saved folder load with `trust_remote_code=True` where the package is not installed.
+
+    A model that ran as remote code was saved with its code by transformers already; a model that came from the
+    installed package gets the converter's bundle (the package's own files, flat) and `auto_map` here.
+    """
+    if not type(model).__module__.startswith("disentangled."):
         return
-    for code in Path(source).glob("*.py"):
-        shutil.copyfile(code, Path(output_dir) / code.name)
+    from disentangled.conversion.bundle import auto_map, write_bundle
+
+    write_bundle(output_dir)
     saved_config = Path(output_dir) / "config.json"
     config = json.loads(saved_config.read_text())
-    config["auto_map"] = {**auto_map, **config.get("auto_map", {})}
+    config["auto_map"] = auto_map()
     saved_config.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
@@ -226,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
         train_result = trainer.train(resume_from_checkpoint=checkpoint)
         trainer.save_model()  # the model and the tokenizer, on the main process
         if trainer.is_world_process_zero():
-            carry_remote_code(model_args.model_name_or_path, training_args.output_dir)
+            add_remote_code(trainer.model, training_args.output_dir)
         trainer.log_metrics("train", train_result.metrics)
         trainer.save_metrics("train", train_result.metrics)
         trainer.save_state()
