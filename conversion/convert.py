@@ -2,8 +2,9 @@
 
 In order: `canonical_checkpoint` (any source layout -> transformers' own DeBERTa layout and config),
 `convert_config`, `convert_state_dict` (rename every key, assert every shape), strict loads, `export_hub_folder`
-(config.json with auto_map, safetensors, tokenizer, the flat remote code), then `verify_folder`: the source through
-transformers' classes and the folder through its bundled remote code, on the same fixed padded batch.
+(config.json with auto_map, safetensors, tokenizer, the flat remote code), then parity (`load_bundled`, `compare`):
+the source through transformers' classes and the folder through its bundled remote code, on the same fixed
+padded batch. `convert` runs them all and moves the folder into place only when every step passed.
 """
 
 from __future__ import annotations
@@ -404,9 +405,9 @@ def convert(
 
     staging = prepare_output(output_dir, force)
     try:
-        files = export_hub_folder(ours, staging, max_shard_size=max_shard_size)
+        export_hub_folder(ours, staging, max_shard_size=max_shard_size)
         del ours
-        copied = copy_tokenizer(read, checkpoint.model_type, staging, log=log)
+        copy_tokenizer(read, checkpoint.model_type, staging, log=log)
         figures = None
         batch = fixed_batch(config.vocab_size, config.max_position_embeddings, head.suffix == "ForMultipleChoice")
         if verify:
@@ -433,7 +434,6 @@ def convert(
         raise
     files = sorted(p.name for p in output_dir.iterdir())
     log(f"wrote {output_dir}: {', '.join(files)}")
-    del copied
     return ConversionResult(output_dir, checkpoint.task, checkpoint.model_type, figures, files)
 
 

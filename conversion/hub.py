@@ -81,5 +81,9 @@ def push_folder(
         )
     except HfHubHTTPError as error:
         raise ValueError(f"upload to {repo_id!r} failed: {str(error).splitlines()[0]}") from None
+    except ValueError:
+        raise
+    except Exception as error:  # connection and disk errors: one line, never a traceback (the token is not in it)
+        raise ValueError(f"upload to {repo_id!r} failed: {type(error).__name__}: {error}") from None
     log(f"pushed {len(files)} files to {target}: {info.pr_url or info.commit_url}")
     return info

@@ -34,13 +34,12 @@ def render_model_card(
     from .convert import TASKS, TOLERANCE, TRANSFORMERS_PREFIX
 
     head = TASKS[checkpoint.task]
-    license_name = source.config.get("license")
     card_data = ModelCardData(
         library_name="transformers",
         pipeline_tag=head.pipeline_tag,
         tags=list(TAGS),
         base_model=source.repo_id,
-        license=license_name if isinstance(license_name, str) else None,
+        license=source.license,
     )
     model_name = Path(repo_id).name if repo_id else "model"
     rows = [

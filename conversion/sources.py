@@ -12,7 +12,6 @@ Pickled files are read with `torch.load(weights_only=True)` only. Python files i
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ TOKENIZER_FILES = (
     "vocab.txt",
 )
 CONFIG_FILES = ("config.json", "model_config.json")
+CARD_FILE = "README.md"  # read for its license only
 # A Hub repo id: "name" or "owner/name", letters, digits, "-", "_", "." (no "--" or ".." and no leading/trailing "-.").
 REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
 
@@ -54,6 +54,22 @@ class Source:
     repo_id: str | None = None  # set when fetched from the Hub
     revision: str | None = None
     weight_files: list[str] = field(default_factory=list)
+
+    @property
+    def license(self) -> str | None:
+        """The license in the source's model card metadata, or its config, when it names one."""
+        card = self.folder / CARD_FILE
+        if card.is_file():
+            from huggingface_hub import ModelCard
+
+            try:
+                license_name = ModelCard.load(card).data.license
+            except Exception:  # a malformed card only costs the license line
+                license_name = None
+            if isinstance(license_name, str):
+                return license_name
+        license_name = self.config.get("license")
+        return license_name if isinstance(license_name, str) else None
 
     @property
     def tokenizer_files(self) -> list[str]:
@@ -75,7 +91,7 @@ def resolve_folder(source: str, revision: str | None = None, token: str | None =
         return path, None
     if path.exists():
         raise ValueError(f"source {source!r} is a file; give the folder that holds the checkpoint")
-    if source.startswith((".", "/", "~")) or os.sep in source.strip("/").replace("/", "", 1) or not is_repo_id(source):
+    if not is_repo_id(source):
         raise FileNotFoundError(f"source {source!r} is neither a folder nor a valid Hub repo id")
     return _download(source, revision, token), source
 
@@ -92,10 +108,10 @@ def _download(repo_id: str, revision: str | None, token: str | None) -> Path:
 
     try:
         if constants.HF_HUB_OFFLINE:
-            wanted = [*CONFIG_FILES, *TOKENIZER_FILES, "*.safetensors", "*.bin", "*.index.json"]
+            wanted = [*CONFIG_FILES, *TOKENIZER_FILES, CARD_FILE, "*.safetensors", "*.bin", "*.index.json"]
         else:
             available = set(HfApi().list_repo_files(repo_id, revision=revision, token=token))
-            wanted = [name for name in (*CONFIG_FILES, *TOKENIZER_FILES) if name in available]
+            wanted = [name for name in (*CONFIG_FILES, *TOKENIZER_FILES, CARD_FILE) if name in available]
             wanted += _weight_files_of(available, repo_id)
         # allow_patterns never names a .py file: a source's code is not even downloaded.
         return Path(snapshot_download(repo_id, revision=revision, token=token, allow_patterns=wanted))
@@ -107,6 +123,10 @@ def _download(repo_id: str, revision: str | None, token: str | None) -> Path:
         raise FileNotFoundError(f"Hub repo {repo_id!r} is not in the local cache and the Hub is offline") from None
     except HfHubHTTPError as error:
         raise ValueError(f"could not fetch {repo_id!r} from the Hub: {str(error).splitlines()[0]}") from None
+    except (FileNotFoundError, ValueError):
+        raise
+    except Exception as error:  # connection errors: one line, never a traceback
+        raise ValueError(f"could not fetch {repo_id!r} from the Hub: {type(error).__name__}: {error}") from None
 
 
 def _weight_files_of(available: set[str], repo_id: str) -> list[str]:

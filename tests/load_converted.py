@@ -2,7 +2,8 @@
 
 usage: load_converted.py MANIFEST.json OUTPUT.safetensors
 The manifest lists {"name", "folder", "auto_class", "inputs"}; inputs are a safetensors file of the batch.
-Also loads each folder's tokenizer with plain AutoTokenizer (no trust_remote_code) when it has one.
+Also loads each folder's tokenizer with plain AutoTokenizer when it has one: with trust_remote_code=False (between
+printed markers, so the parent can check that no prompt appeared) and without the argument.
 """
 
 import json
@@ -29,9 +30,13 @@ for case in manifest:
             results[f"{case['name']}/{name}"] = value.float().contiguous()
     info = {"module": module, "class": type(model).__name__}
     if case.get("text"):
+        print(f"TOKENIZER {case['name']} BEGIN", flush=True)  # nothing may be printed in between: no prompt
+        declined = transformers.AutoTokenizer.from_pretrained(case["folder"], trust_remote_code=False)
+        print(f"TOKENIZER {case['name']} END", flush=True)
         tokenizer = transformers.AutoTokenizer.from_pretrained(case["folder"])
         info["tokenizer"] = type(tokenizer).__name__
         info["ids"] = tokenizer(case["text"])["input_ids"]
+        info["ids_declined"] = declined(case["text"])["input_ids"]
     report["cases"][case["name"]] = info
 save_file(results, output_path)
 print("REPORT " + json.dumps(report))

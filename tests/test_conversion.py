@@ -191,9 +191,13 @@ def test_tokenizer_of_hub_layout_sources_gives_the_source_ids(converted, latest_
         config = json.loads((case.output / "tokenizer_config.json").read_text())
         assert config["tokenizer_class"] == "DebertaV2Tokenizer"
         assert report["cases"][case.name]["ids"] == source_ids(case)
+        assert report["cases"][case.name]["ids_declined"] == source_ids(case)
+        between = report["stdout"].split(f"TOKENIZER {case.name} BEGIN")[1].split(f"TOKENIZER {case.name} END")[0]
+        assert "custom code" not in between, between  # trust_remote_code=False: no prompt, no model code
 
 
 def test_tokenizer_on_transformers_4_57_same_ids_and_no_prompt(converted, child_4_57):
+    """transformers 4.57 reads tokenizer_config.json's tokenizer_class first: no prompt even without the argument."""
     _, report = child_4_57
     assert "Do you wish to run the custom code" not in report["stdout"]
     for case in (case for case in converted if case.tokenizer):
@@ -287,3 +291,37 @@ def test_export_transformers_round_trip(converted, tmp_path):
             outputs = named_outputs(native(**batch))
         for name, expected in case.expected.items():
             assert relative_error(outputs[name], expected, mask) <= limit, (case.name, name)
+
+
+def test_wheel_ships_the_model_card_template(tmp_path):
+    """A non-editable install finds model_card.md too: the wheel holds its text, not a dangling link."""
+    import subprocess
+    import sys
+    import zipfile
+
+    root = HERE.parent
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(root),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    if result.returncode != 0 and "license" in result.stderr:
+        pytest.skip("this setuptools cannot build the project (PEP 639 license string)")
+    assert result.returncode == 0, result.stderr[-2000:]
+    with zipfile.ZipFile(next(tmp_path.glob("*.whl"))) as wheel:
+        assert wheel.read("disentangled/model_card.md").decode() == (root / "model_card.md").read_text()
+        names = set(wheel.namelist())
+    assert {"disentangled/modeling/modeling_disentangled.py", "disentangled/conversion/bundle.py"} <= names
