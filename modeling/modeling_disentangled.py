@@ -343,6 +343,10 @@ class DisentangledPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     _supports_flash_attn = False  # flash kernels take no arbitrary additive bias, and the position terms are one
     _supports_attention_backend = True
+    # The heads average their loss over the batch themselves and ignore `num_items_in_batch`; without this, Trainer
+    # reads the `**kwargs` of `forward` as "normalises by num_items_in_batch" and scales the loss by the number of
+    # processes (DDP) and not by the gradient-accumulation steps.
+    accepts_loss_kwargs = False
     _keys_to_ignore_on_load_unexpected = [r"position_embeddings", r"mask_predictions\."]
 
     def _init_weights(self, module: nn.Module) -> None:

@@ -1,0 +1,100 @@
+"""Small built-in datasets: text to train a SentencePiece model on, and labelled tasks a tiny model can learn.
+
+The demo and the tests use them where nothing can be downloaded. Every generator is seeded and returns plain
+dicts, written to CSV / JSON lines for `datasets`' local-file loaders with `write_rows`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from pathlib import Path
+
+NEUTRAL_WORDS = (
+    "the a an cat dog bird sat ran flew on under over mat rug tree quick brown lazy fox river bank money market "
+    "stock bond capital city is was of and in to movie film book story what where who when which question answer "
+    "today yesterday very quite really this that it we they"
+).split()
+POSITIVE_WORDS = "good great happy love wonderful excellent".split()
+NEGATIVE_WORDS = "bad terrible sad hate awful boring".split()
+CITIES = "paris berlin rome madrid london vienna".split()
+COUNTRIES = "france germany italy spain england austria".split()
+VOCABULARY = NEUTRAL_WORDS + POSITIVE_WORDS + NEGATIVE_WORDS + CITIES + COUNTRIES
+
+
+def corpus_lines(count: int = 3000, seed: int = 0) -> list[str]:
+    """Sentences of the built-in vocabulary, to train a SentencePiece model on."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(VOCABULARY) for _ in range(rng.randint(4, 14))) + "." for _ in range(count)]
+
+
+def train_sentencepiece(directory: str | Path, lines: list[str], vocab_size: int = 100) -> Path:
+    """A unigram SentencePiece model on `lines`, with DeBERTa-v3's reserved ids ([PAD] 0, [CLS] 1, [SEP] 2,
+    [UNK] 3); returns the path of `spm.model` in `directory`."""
+    import sentencepiece
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    corpus = directory / "corpus.txt"
+    corpus.write_text("\n".join(lines))
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(directory / "spm"),
+        vocab_size=vocab_size,
+        model_type="unigram",
+        pad_id=0,
+        pad_piece="[PAD]",
+        bos_id=1,
+        bos_piece="[CLS]",
+        eos_id=2,
+        eos_piece="[SEP]",
+        unk_id=3,
+        unk_piece="[UNK]",
+        character_coverage=1.0,
+        num_threads=1,
+        minloglevel=2,
+    )
+    corpus.unlink()
+    (directory / "spm.vocab").unlink(missing_ok=True)
+    return directory / "spm.model"
+
+
+def sentiment_examples(count: int, seed: int = 0) -> list[dict]:
+    """`{"text", "label"}`: neutral words around one sentiment word; the label says which kind ("negative" /
+    "positive"), so a model must find that word wherever it is. Balanced; chance is 0.5."""
+    rng = random.Random(seed)
+    rows = []
+    for index in range(count):
+        positive = index % 2 == 0
+        words = [rng.choice(NEUTRAL_WORDS) for _ in range(rng.randint(4, 12))]
+        words.insert(rng.randint(0, len(words)), rng.choice(POSITIVE_WORDS if positive else NEGATIVE_WORDS))
+        rows.append({"text": " ".join(words), "label": "positive" if positive else "negative"})
+    rng.shuffle(rows)
+    return rows
+
+
+def tagging_examples(count: int, seed: int = 0) -> list[dict]:
+    """`{"tokens", "tags"}`: words tagged B-LOC (a city or country) or O."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        tokens = [rng.choice(NEUTRAL_WORDS) for _ in range(rng.randint(4, 10))]
+        for _ in range(rng.randint(1, 2)):
+            tokens.insert(rng.randint(0, len(tokens)), rng.choice(CITIES + COUNTRIES))
+        rows.append({"tokens": tokens, "tags": ["B-LOC" if t in CITIES + COUNTRIES else "O" for t in tokens]})
+    return rows
+
+
+def write_rows(rows: list[dict], path: str | Path) -> Path:
+    """CSV for a `.csv` path (flat rows), JSON lines otherwise."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".csv":
+        with path.open("w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path

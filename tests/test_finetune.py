@@ -1,0 +1,117 @@
+"""Fine-tuning with transformers' Trainer through examples/finetune.py: it learns, resumes exactly, checkpoints
+gradients exactly, runs in bf16 on CPU, and saves a model that loads back with trust_remote_code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from finetune_helpers import fresh_process_check, pretrained_folder, run_finetune, sentiment_files, tagging_files
+from tiny_models import tiny_config, tokenizer
+
+from disentangled import DisentangledForSequenceClassification
+
+
+def losses(log_history: list[dict]) -> dict[int, float]:
+    return {entry["step"]: entry["loss"] for entry in log_history if "loss" in entry}
+
+
+@pytest.mark.slow
+def test_text_classification_learns_and_saves_a_remote_code_model(tmp_path):
+    train, validation = sentiment_files(tmp_path)
+    output = tmp_path / "out"
+    results = run_finetune(
+        "--model_name_or_path", pretrained_folder(tmp_path / "model"), "--trust_remote_code",
+        "--train_file", train, "--validation_file", validation, "--output_dir", output,
+        "--do_train", "--do_eval", "--evaluate_before_training",
+        "--num_train_epochs", 3, "--learning_rate", 3e-3, "--per_device_train_batch_size", 16,
+        "--logging_steps", 8, "--save_strategy", "no", "--seed", 0,
+    )  # fmt: skip
+    before, after = results["eval_before"]["eval_before_accuracy"], results["eval"]["eval_accuracy"]
+    print(f"accuracy before {before:.3f}, after {after:.3f}")
+    assert 0.3 <= before <= 0.7  # about chance: the classifier is new
+    assert after > 0.9
+
+    config = json.loads((output / "config.json").read_text())
+    assert (
+        config["id2label"] == {"0": "negative", "1": "positive"}
+        and "AutoModelForSequenceClassification" in config["auto_map"]
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", fresh_process_check(), str(output)], capture_output=True, text=True, timeout=300
+    )
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert loaded.stdout.strip().splitlines()[-1] == "['positive', 'negative']"
+
+
+def test_token_classification_trains(tmp_path):
+    train, validation = tagging_files(tmp_path)
+    results = run_finetune(
+        "--model_name_or_path", pretrained_folder(tmp_path / "model"), "--task", "token-classification",
+        "--train_file", train, "--validation_file", validation, "--output_dir", tmp_path / "out",
+        "--do_train", "--do_eval", "--max_steps", 24, "--learning_rate", 3e-3, "--per_device_train_batch_size", 16,
+        "--logging_steps", 4, "--save_strategy", "no", "--seed", 0,
+    )  # fmt: skip
+    logged = list(losses(results["log_history"]).values())
+    assert logged[-1] < logged[0]
+    assert results["eval"]["eval_accuracy"] > 0.8  # O is ~80% of the words; B-LOC must be found too
+    assert results["eval"]["eval_macro_f1"] > 0.6
+
+
+def test_resume_from_checkpoint_gives_the_same_losses(tmp_path):
+    train, _ = sentiment_files(tmp_path, train=128)
+    common = [
+        "--model_name_or_path", pretrained_folder(tmp_path / "model", hidden_dropout_prob=0.1),
+        "--train_file", train, "--do_train", "--max_steps", 6, "--save_steps", 3, "--logging_steps", 1,
+        "--learning_rate", 1e-3, "--per_device_train_batch_size", 8, "--seed", 0,
+    ]  # fmt: skip
+    full = losses(run_finetune(*common, "--output_dir", tmp_path / "full")["log_history"])
+    resumed = run_finetune(
+        *common, "--output_dir", tmp_path / "resumed", "--resume_from_checkpoint", tmp_path / "full" / "checkpoint-3"
+    )
+    resumed_losses = losses(resumed["log_history"])  # steps 1-3 come from the checkpoint's trainer state
+    assert sorted(full) == sorted(resumed_losses) == [1, 2, 3, 4, 5, 6]
+    assert [resumed_losses[step] for step in (4, 5, 6)] == pytest.approx([full[step] for step in (4, 5, 6)], rel=1e-6)
+    # the resumed run trained steps 4-6 only: its mean loss is theirs
+    assert resumed["train"]["train_loss"] == pytest.approx(sum(full[step] for step in (4, 5, 6)) / 3, rel=1e-3)
+
+
+def test_gradient_checkpointing_bf16_and_accumulation_train_on_cpu(tmp_path):
+    train, _ = sentiment_files(tmp_path, train=64)
+    results = run_finetune(
+        "--model_name_or_path", pretrained_folder(tmp_path / "model"), "--train_file", train,
+        "--output_dir", tmp_path / "out", "--do_train", "--max_steps", 3, "--logging_steps", 1,
+        "--per_device_train_batch_size", 8, "--save_strategy", "no", "--gradient_checkpointing", "--bf16", "--gradient_accumulation_steps", 2,
+    )  # fmt: skip
+    logged = list(losses(results["log_history"]).values())
+    assert len(logged) == 3 and all(torch.isfinite(torch.tensor(loss)) for loss in logged)
+    assert abs(logged[0] - 0.693) < 0.05  # ln 2, averaged over the accumulated micro-batches (not summed)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
+    torch.manual_seed(0)
+    model = DisentangledForSequenceClassification(tiny_config(tokenizer(), num_labels=3))  # dropout 0
+    batch = {
+        "input_ids": torch.randint(5, 100, (3, 12)),
+        "attention_mask": torch.tensor([[1] * 12, [1] * 9 + [0] * 3, [1] * 5 + [0] * 7]),
+        "labels": torch.tensor([0, 2, 1]),
+    }
+
+    def gradients():
+        model.zero_grad()
+        model.train()
+        model(**batch).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    reference = gradients()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    assert model.deberta.encoder.layer[0].gradient_checkpointing
+    checkpointed = gradients()
+    assert checkpointed.keys() == reference.keys()
+    assert "deberta.encoder.rel_embeddings.weight" in checkpointed  # reaches the relative embeddings too
+    for name, grad in reference.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-7, msg=name)
