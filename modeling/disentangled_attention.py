@@ -115,7 +115,7 @@ def eager_disentangled(
 
     Returns the context as [B, L, H, D] and the attention probabilities [B, H, L, L].
     """
-    c2c = (query @ key.mT) * scaling  # q_i . k_j
+    c2c = (query * scaling) @ key.mT  # q_i . k_j, scaled first: q . k itself can overflow float16 (mDeBERTa)
     scores = c2c + position_scores.bias() if position_scores is not None else c2c
     probs = torch.softmax(_masked_scores(scores, attention_mask), dim=-1, dtype=torch.float32).to(query.dtype)
     probs = F.dropout(probs, p=dropout, training=dropout > 0)

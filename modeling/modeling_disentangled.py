@@ -43,6 +43,14 @@ from .disentangled_attention import (
     mirror_columns,
     relative_index,
 )
+from .validation import (
+    IGNORE_INDEX,
+    input_shape,
+    validate_classification_labels,
+    validate_inputs,
+    validate_labels,
+    validate_span_positions,
+)
 
 try:  # transformers 5: initialisers that leave weights loaded from a checkpoint alone
     from transformers import initialization as init
@@ -381,8 +389,7 @@ class DisentangledModel(DisentangledPreTrainedModel):
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
         return_dict = return_dict if return_dict is not None else self.config.return_dict
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        validate_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
         device = input_ids.device if input_ids is not None else inputs_embeds.device
         if attention_mask is None:
@@ -424,9 +431,9 @@ def _loss_for_classification(config: DisentangledConfig, logits: Tensor, labels:
     if labels.dim() == 1 or labels.shape[-1] == 1:
         labels = labels.view(-1).long()
         labeled = labels >= 0
-        if not labeled.any():
-            return logits.new_zeros(())
-        return CrossEntropyLoss()(logits[labeled].float(), labels[labeled])
+        # The mean over labeled examples (0 if none), without a data-dependent branch, so that it compiles.
+        losses = CrossEntropyLoss(reduction="none")(logits.float(), labels.clamp(min=0))
+        return (losses * labeled).sum() / labeled.sum().clamp(min=1)
     return -(torch.log_softmax(logits, dim=-1) * labels).sum(-1).mean()
 
 
@@ -560,6 +567,10 @@ class DisentangledForMaskedLM(DisentangledPreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> MaskedLMOutput | tuple:
+        if labels is not None:
+            validate_labels(
+                "labels", labels, [input_shape(input_ids, inputs_embeds)], 0, self.config.vocab_size, IGNORE_INDEX
+            )
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.deberta(
             input_ids,
@@ -603,6 +614,8 @@ class DisentangledForSequenceClassification(DisentangledPreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> SequenceClassifierOutput | tuple:
+        if labels is not None:
+            validate_classification_labels(self.config, labels, batch=input_shape(input_ids, inputs_embeds)[0])
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.deberta(
             input_ids,
@@ -641,6 +654,8 @@ class DisentangledForTokenClassification(DisentangledPreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> TokenClassifierOutput | tuple:
+        if labels is not None:
+            validate_labels("labels", labels, [input_shape(input_ids, inputs_embeds)], 0, self.num_labels, IGNORE_INDEX)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.deberta(
             input_ids,
@@ -681,6 +696,7 @@ class DisentangledForQuestionAnswering(DisentangledPreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> QuestionAnsweringModelOutput | tuple:
+        validate_span_positions(start_positions, end_positions, batch=input_shape(input_ids, inputs_embeds)[0])
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.deberta(
             input_ids,
@@ -728,8 +744,12 @@ class DisentangledForMultipleChoice(DisentangledPreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> MultipleChoiceModelOutput | tuple:
+        validate_inputs(
+            self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, batch_dims=2
+        )
+        batch, num_choices, _ = input_shape(input_ids, inputs_embeds, batch_dims=2)
+        validate_labels("labels", labels, [[batch]], 0, num_choices, IGNORE_INDEX)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
-        num_choices = (input_ids if input_ids is not None else inputs_embeds).shape[1]
 
         def flat(x: Tensor | None) -> Tensor | None:  # [B, C, ...] -> [B * C, ...]
             return x.flatten(0, 1) if x is not None else None
