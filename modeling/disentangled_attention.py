@@ -141,7 +141,10 @@ def sdpa_disentangled(
         bias = torch.zeros((), dtype=query.dtype, device=query.device) if bias is None else bias
         bias = _masked_scores(bias.expand(*bias.shape[:2], query.shape[-2], key.shape[-2]), attention_mask)
     context = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling)
-    return context.transpose(1, 2), None
+    context = context.transpose(1, 2)  # [B, L, H, D]
+    if torch.compiler.is_compiling():  # torch.export's decomposition of sdpa yields other strides than it traced
+        context = context.clone(memory_format=torch.contiguous_format)
+    return context, None
 
 
 DISENTANGLED_ATTENTION_FUNCTIONS = {
