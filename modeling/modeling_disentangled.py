@@ -148,7 +148,7 @@ class DisentangledSelfAttention(nn.Module):
         p2c = key @ pos_query.mT if self.use_p2c else None  # [B, H, L, 2S]: k_j . Qr[r]
         p2p = None
         if self.use_p2p:  # [H, 2S]: Qr[r] . Kr[mirror(r)], unscaled once more by the pos_key scaling
-            mirrored = pos_key[:, mirror_columns(pos_key.shape[-2], pos_key.device)] / self.scaling
+            mirrored = pos_key[:, mirror_columns(pos_key.shape[-2] // 2, pos_key.device)] / self.scaling
             p2p = (pos_query * mirrored).sum(-1)
         return PositionScores(c2p=c2p, p2c=p2c, p2p=p2p, rel_index=rel_index)
 
@@ -414,6 +414,13 @@ class DisentangledModel(DisentangledPreTrainedModel):
         return pair_mask.any(-2), pair_mask[:, None]
 
 
+def _cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """Mean cross-entropy over the labels that are not `ignore_index`; 0, not NaN, when all of them are (a batch
+    with no masked token must not turn the gradients into NaN)."""
+    losses = CrossEntropyLoss(reduction="none", ignore_index=ignore_index)(logits, labels)  # 0 where ignored
+    return losses.sum() / (labels != ignore_index).sum().clamp(min=1)
+
+
 def _loss_for_classification(config: DisentangledConfig, logits: Tensor, labels: Tensor) -> Tensor:
     """DeBERTa's classification loss. With `problem_type` unset: one label is regression, integer labels are
     cross-entropy over the examples whose label is >= 0, and per-class labels are soft targets."""
@@ -425,7 +432,7 @@ def _loss_for_classification(config: DisentangledConfig, logits: Tensor, labels:
             else MSELoss()(logits, labels.to(logits.dtype))
         )
     if config.problem_type == "single_label_classification":
-        return CrossEntropyLoss()(logits.view(-1, num_labels), labels.view(-1))
+        return _cross_entropy(logits.view(-1, num_labels), labels.view(-1))
     if config.problem_type == "multi_label_classification":
         return BCEWithLogitsLoss()(logits, labels.to(logits.dtype))
     if labels.dim() == 1 or labels.shape[-1] == 1:
@@ -587,7 +594,7 @@ class DisentangledForMaskedLM(DisentangledPreTrainedModel):
             logits = self.cls(sequence_output)
         else:
             logits = self.lm_predictions(sequence_output, self.deberta.embeddings.word_embeddings)
-        loss = CrossEntropyLoss()(logits.view(-1, logits.shape[-1]), labels.view(-1)) if labels is not None else None
+        loss = _cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1)) if labels is not None else None
         return _finish(MaskedLMOutput, return_dict, loss, outputs, logits=logits)
 
 
@@ -670,7 +677,7 @@ class DisentangledForTokenClassification(DisentangledPreTrainedModel):
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
         if labels is not None:
-            loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.view(-1))
+            loss = _cross_entropy(logits.view(-1, self.num_labels), labels.view(-1))
         return _finish(TokenClassifierOutput, return_dict, loss, outputs, logits=logits)
 
 
@@ -715,8 +722,8 @@ class DisentangledForQuestionAnswering(DisentangledPreTrainedModel):
             ignored = start_logits.shape[1]  # positions outside the input are ignored
             start_positions = start_positions.view(-1).clamp(0, ignored)
             end_positions = end_positions.view(-1).clamp(0, ignored)
-            loss_fct = CrossEntropyLoss(ignore_index=ignored)
-            loss = (loss_fct(start_logits, start_positions) + loss_fct(end_logits, end_positions)) / 2
+            start_loss = _cross_entropy(start_logits, start_positions, ignore_index=ignored)
+            loss = (start_loss + _cross_entropy(end_logits, end_positions, ignore_index=ignored)) / 2
         return _finish(
             QuestionAnsweringModelOutput, return_dict, loss, outputs, start_logits=start_logits, end_logits=end_logits
         )
@@ -765,7 +772,7 @@ class DisentangledForMultipleChoice(DisentangledPreTrainedModel):
             return_dict=True,
         )
         logits = self.classifier(self.dropout(self.pooler(outputs.last_hidden_state))).view(-1, num_choices)
-        loss = CrossEntropyLoss()(logits, labels) if labels is not None else None
+        loss = _cross_entropy(logits, labels) if labels is not None else None
         return _finish(MultipleChoiceModelOutput, return_dict, loss, outputs, logits=logits)
 
 
