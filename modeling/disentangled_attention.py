@@ -118,7 +118,8 @@ def eager_disentangled(
     c2c = (query * scaling) @ key.mT  # q_i . k_j, scaled first: q . k itself can overflow float16 (mDeBERTa)
     scores = c2c + position_scores.bias() if position_scores is not None else c2c
     probs = torch.softmax(_masked_scores(scores, attention_mask), dim=-1, dtype=torch.float32).to(query.dtype)
-    probs = F.dropout(probs, p=dropout, training=dropout > 0)
+    if dropout > 0:  # a branch, not training=dropout > 0: under torch.compile that is a SymBool
+        probs = F.dropout(probs, p=dropout)
     return (probs @ value).transpose(1, 2), probs
 
 

@@ -33,7 +33,7 @@ from robustness import (
 lengths = st.lists(st.integers(1, 20), min_size=1, max_size=3)
 
 
-@settings(max_examples=40, **PROPERTY_SETTINGS)
+@settings(max_examples=30, **PROPERTY_SETTINGS)
 @given(
     config=configs(),
     head=st.sampled_from(list(HEADS)),
@@ -58,7 +58,7 @@ def test_padding_invariance_and_backend_agreement_float32(config, head, lengths,
         assert error <= TOLERANCE[torch.float32], f"{backend}: {error:.2e}"
 
 
-@settings(max_examples=20, **PROPERTY_SETTINGS)
+@settings(max_examples=15, **PROPERTY_SETTINGS)
 @given(
     config=configs(),
     head=st.sampled_from(["Model", "MaskedLM", "SequenceClassification"]),
