@@ -218,6 +218,7 @@ class DisentangledConfig(PretrainedConfig):
         self.cls_dropout = cls_dropout
         self.legacy = legacy
         self.talking_head = talking_head
+        kwargs.setdefault("tie_word_embeddings", True)  # the legacy MLM decoder is the word embedding matrix
         super().__init__(pad_token_id=pad_token_id, **kwargs)
 
     @classmethod

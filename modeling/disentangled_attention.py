@@ -9,6 +9,10 @@ embeddings P, δ(i, j) the bucketed distance i - j):
            + Qr[δ(i, j)] . Kr[δ(j, i)] ]   p2p: optional, no released checkpoint uses it
            / sqrt(head_dim * number_of_terms)
 
+p2p follows the formula (query side δ(i, j) through the position-query projection, key side δ(j, i) through
+the position-key projection, scaled like the other terms). Microsoft's experimental p2p differs: it reads the
+position-query row of the query's absolute position (span + i) against the position key of δ(i, j), unscaled.
+
 Index convention: c2p and p2c both read the bucket of i - j. The paper writes p2c with δ(j, i), but the
 released checkpoints were trained with δ(i, j) (microsoft/DeBERTa #47, #162), and parity decides.
 

@@ -480,6 +480,9 @@ class LegacyMLMPredictionHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.decoder.bias = self.bias
 
+    def _tie_weights(self) -> None:  # transformers 4.57 re-ties through this after loading
+        self.decoder.bias = self.bias
+
     def forward(self, hidden_states: Tensor) -> Tensor:
         return self.decoder(self.transform(hidden_states))
 

@@ -73,3 +73,17 @@ def test_parity_variants(tmp_path, variant):
     if variant == "absolute-positions-token-types":
         batch["token_type_ids"] = (torch.arange(300) > 100).long().expand(2, 300).contiguous()
     check_parity(reference, ours, head, batch)
+
+
+def test_hidden_states_and_attentions_match(tmp_path):
+    reference, ours = build_pair(tmp_path, V2_SHAPES["deberta-v2-xlarge"], "Model")
+    batch = padded_batch(1000, LENGTHS)
+    expected = reference(**batch, output_hidden_states=True, output_attentions=True)
+    actual = ours(**batch, output_hidden_states=True, output_attentions=True)
+    real = batch["attention_mask"].bool()
+    assert len(actual.hidden_states) == len(expected.hidden_states) == 3
+    for ours_states, reference_states in zip(actual.hidden_states, expected.hidden_states):
+        torch.testing.assert_close(ours_states[real], reference_states[real], rtol=0, atol=1e-5)
+    for ours_probs, reference_probs in zip(actual.attentions, expected.attentions):
+        rows = real[:, None, :, None].expand_as(ours_probs)  # real query rows, every key column
+        torch.testing.assert_close(ours_probs[rows], reference_probs[rows], rtol=0, atol=1e-6)

@@ -4,6 +4,7 @@
 """
 
 from .configuration import DisentangledConfig
+from .explain import explain_attention
 from .modeling import (
     DisentangledForMaskedLM,
     DisentangledForMultipleChoice,
@@ -29,4 +30,5 @@ __all__ = [
     "DisentangledForQuestionAnswering",
     "DisentangledForMultipleChoice",
     "register",
+    "explain_attention",
 ]
