@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -11,6 +13,7 @@ from parity import inflate_weights
 
 import disentangled
 from disentangled import DisentangledConfig
+from disentangled.modeling import disentangled_attention as attention_backends
 from disentangled.modeling.disentangled_attention import DISENTANGLED_ATTENTION_FUNCTIONS
 
 # Reproducible in CI: the same examples every run, no wall-clock deadline on a loaded 2-core machine.
@@ -30,9 +33,35 @@ HEADS = {
     "QuestionAnswering": disentangled.DisentangledForQuestionAnswering,
     "MultipleChoice": disentangled.DisentangledForMultipleChoice,
 }
+# What a backend cannot do here (CPU), and why: a test that needs it skips that backend, every other test runs it.
+LIMITS = {
+    "flex_attention": {
+        "onnx": "ONNX has no FlexAttention operator; export with eager or sdpa",
+        "cpu-training": "flex_attention has no CPU backward (the model runs sdpa for gradients there)",
+    },
+}
 POOLED = ("SequenceClassification", "MultipleChoice")  # one output per sequence, read from its first token
 # Relative to the output's scale, max(1, max|reference|): float32, then what low precision reaches on CPU.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 6e-2, torch.float16: 1e-2}
+
+
+def skip_unless_supported(backend: str, capability: str) -> None:
+    if reason := LIMITS.get(backend, {}).get(capability):
+        pytest.skip(f"{backend}: {reason}")
+
+
+@contextlib.contextmanager
+def dense_flex():
+    """flex_attention's dense reference of the same score_mod instead of its kernel, which compiles per shape (about
+    a minute each on a CI CPU); a no-op where the backends module has no such switch."""
+    previous = getattr(attention_backends, "FLEX_COMPILED", None)
+    if previous is not None:
+        attention_backends.FLEX_COMPILED = False
+    try:
+        yield
+    finally:
+        if previous is not None:
+            attention_backends.FLEX_COMPILED = previous
 
 
 @st.composite

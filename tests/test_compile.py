@@ -9,10 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 from parity import inflate_weights, padded_batch
-from robustness import BACKENDS, with_backend
+from robustness import BACKENDS, dense_flex, skip_unless_supported, with_backend
 
 import disentangled
 from disentangled import DisentangledConfig
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _dense_flex():
+    with dense_flex():
+        yield
+
 
 # Everything on: three position terms, log buckets (8 per side), absolute positions, token types, conv, projections.
 CONFIG = dict(
@@ -74,6 +81,7 @@ def test_compiled_inference_one_graph_same_outputs(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_training_one_graph_same_loss_and_gradients(backend):
     """Forward and backward through AOTAutograd; the classification loss has no data-dependent branch."""
+    skip_unless_supported(backend, "cpu-training")
     model = model_of("DisentangledForSequenceClassification", backend).train()
     compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="aot_eager")
     for i, lengths in enumerate(BATCHES):

@@ -7,10 +7,17 @@ import pytest
 import torch
 import transformers
 from parity import inflate_weights, padded_batch
-from robustness import BACKENDS, with_backend
+from robustness import BACKENDS, dense_flex, skip_unless_supported, with_backend
 
 import disentangled
 from disentangled import DisentangledConfig
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _dense_flex():
+    with dense_flex():
+        yield
+
 
 FLOAT16_MAX = torch.finfo(torch.float16).max
 LOW = [torch.bfloat16, torch.float16]
@@ -142,6 +149,7 @@ def test_low_precision_error_within_a_small_multiple_of_transformers(tmp_path, d
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bfloat16_autocast_training(backend):
+    skip_unless_supported(backend, "cpu-training")
     torch.manual_seed(0)
     model = disentangled.DisentangledForMaskedLM(mdeberta_like(hidden_size=64, num_attention_heads=4)).train()
     inflate_weights(model)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from parity import inflate_weights
+from robustness import skip_unless_supported
 
 import disentangled
 from disentangled import DisentangledConfig, cli, onnx_export
@@ -55,6 +56,7 @@ def run_cli(*argv: str) -> int:
 
 @pytest.mark.parametrize("backend", list(DISENTANGLED_ATTENTION_FUNCTIONS))
 def test_export_matches_pytorch(tmp_path, backend, capsys):
+    skip_unless_supported(backend, "onnx")
     folder = save_model(tmp_path, "DisentangledForSequenceClassification", "v3")
     output = tmp_path / "model.onnx"
     assert run_cli(str(folder), str(output), "--attn-implementation", backend) == 0

@@ -23,12 +23,20 @@ from robustness import (
     alone,
     build,
     configs,
+    dense_flex,
     pad,
     per_sequence_error,
     run,
     sequences,
     with_backend,
 )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _dense_flex():
+    with dense_flex():
+        yield
+
 
 lengths = st.lists(st.integers(1, 20), min_size=1, max_size=3)
 

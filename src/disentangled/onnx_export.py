@@ -50,6 +50,7 @@ ARCHITECTURES = {
         for name, task in ((cls.__name__, task) for task, (cls, _) in TASKS.items())
     },
 }
+NOT_EXPORTABLE = {"flex_attention": "ONNX has no FlexAttention operator; use eager or sdpa"}
 DEFAULT_OPSET = 18
 TOLERANCE = 1e-4
 
@@ -83,9 +84,11 @@ def load_model(model_dir: str | Path, task: str = "auto", attn_implementation: s
         raise FileNotFoundError(f"MODEL_DIR {str(model_dir)!r} is not a local folder (download Hub models first)")
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"MODEL_DIR {str(model_dir)!r} has no config.json")
-    if attn_implementation not in DISENTANGLED_ATTENTION_FUNCTIONS:
+    exportable = sorted(set(DISENTANGLED_ATTENTION_FUNCTIONS) - set(NOT_EXPORTABLE))
+    if attn_implementation not in exportable:
+        reason = NOT_EXPORTABLE.get(attn_implementation, "unknown implementation")
         raise ValueError(
-            f"--attn-implementation {attn_implementation!r} is not one of {sorted(DISENTANGLED_ATTENTION_FUNCTIONS)}"
+            f"--attn-implementation {attn_implementation!r} cannot be exported ({reason}); use one of {exportable}"
         )
     model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
     if model_type not in (DisentangledConfig.model_type, "deberta-v2"):
