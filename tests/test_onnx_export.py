@@ -63,9 +63,9 @@ def test_export_matches_pytorch(tmp_path, backend, capsys):
     print(capsys.readouterr().out)
     model, task = onnx_export.load_model(folder, attn_implementation=backend)
     assert task == "sequence-classification"
-    diffs = onnx_export.parity(model, task, output, SHAPES)
-    print(backend, {f"batch {b}, length {n}": f"{d:.1e}" for (b, n), d in diffs.items()})
-    assert max(diffs.values()) <= 1e-4, diffs
+    figures = onnx_export.parity(model, task, output, SHAPES)
+    print(backend, {f"batch {b}, length {n}": f"{f['max_abs_diff']:.1e}" for (b, n), f in figures.items()})
+    assert max(onnx_export.relative_error(figure) for figure in figures.values()) <= 1e-4, figures
 
 
 def test_export_multiple_choice_absolute_positions_token_types_conv(tmp_path):
@@ -74,9 +74,9 @@ def test_export_multiple_choice_absolute_positions_token_types_conv(tmp_path):
     folder = save_model(tmp_path, head, "v2")
     model, task = onnx_export.load_model(folder)
     onnx_export.export(model, task, tmp_path / "model.onnx")
-    diffs = onnx_export.parity(model, task, tmp_path / "model.onnx", SHAPES)
-    print(head, {f"batch {b}, length {n}": f"{d:.1e}" for (b, n), d in diffs.items()})
-    assert max(diffs.values()) <= 1e-4, diffs
+    figures = onnx_export.parity(model, task, tmp_path / "model.onnx", SHAPES)
+    print(head, {f"batch {b}, length {n}": f"{f['max_abs_diff']:.1e}" for (b, n), f in figures.items()})
+    assert max(onnx_export.relative_error(figure) for figure in figures.values()) <= 1e-4, figures
 
 
 def test_export_refuses_bad_paths(tmp_path, capsys):
