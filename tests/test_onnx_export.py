@@ -95,3 +95,15 @@ def test_export_refuses_pickled_weights(tmp_path):
     torch.save({}, folder / "pytorch_model.bin")
     with pytest.raises((OSError, ValueError)):
         onnx_export.load_model(folder)
+
+
+def test_a_transformers_deberta_v2_folder_loads_as_ours(tmp_path):
+    """export-onnx reads transformers' own DeBERTa-v2 folders too, with the head their architectures name."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DebertaV2Config(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48, num_labels=3
+    )
+    transformers.DebertaV2ForSequenceClassification(config).save_pretrained(tmp_path)
+    model, task = onnx_export.load_model(tmp_path)
+    assert task == "sequence-classification"
+    assert isinstance(model, disentangled.DisentangledForSequenceClassification)
