@@ -1,0 +1,327 @@
+"""Every generation and head: checkpoint -> `disentangled convert` -> loaded as Hub users load it -> same outputs.
+
+The conversions run once per module (through the CLI entry point, in this process). The converted folders are
+then loaded by `AutoModelForX.from_pretrained(folder, trust_remote_code=True)` in child processes that cannot
+import `disentangled`: on the latest transformers (this interpreter) and on transformers 4.57 (the venv .ci/run
+creates), and also here, where the package is imported.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from conversion_sources import Case, hub_deberta_v3_base_case, microsoft_cases, transformers_cases
+from isolated import PYTHON_4_57, run_isolated, system_python
+from safetensors.torch import load_file, save_file
+from spm_fixture import train_spm
+
+from disentangled import cli
+from disentangled.conversion.bundle import auto_map, bundle_sources, check_bundled_source
+from disentangled.conversion.convert import fixed_batch, load_bundled, named_outputs
+
+HERE = Path(__file__).resolve().parent
+EXTRA_ARGS = {
+    "v3-ForSequenceClassification": ("--max-shard-size", "150KB"),  # sharded output with an index
+    "mdeberta-ForTokenClassification": ("--dtype", "bfloat16"),
+    "v2-ForQuestionAnswering": ("--task", "question-answering"),
+}
+TOLERANCE = 1e-4  # float32, relative to max(1, max |reference|)
+TOLERANCE_BF16 = 5e-2
+
+
+def batch_of(case: Case) -> dict:
+    return fixed_batch(case.vocab_size, case.reference.config.max_position_embeddings, case.multiple_choice)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor, mask: torch.Tensor) -> float:
+    diff = (actual.float() - expected.float()).abs()
+    if diff.shape[:2] == mask.shape:
+        diff = diff[mask]
+    return diff.max().item() / max(1.0, expected.abs().max().item())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models on a shared machine: one thread is several times faster than oversubscribed cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> list[Case]:
+    root = tmp_path_factory.mktemp("conversion")
+    spm_model = train_spm(root / "_spm")
+    cases = [
+        *transformers_cases(root / "sources"),
+        hub_deberta_v3_base_case(root / "sources", spm_model),
+        *microsoft_cases(root / "sources", spm_model),
+    ]
+    for case in cases:
+        case.output = root / "out" / case.name
+        log = io.StringIO()
+        with redirect_stdout(log):
+            code = cli.main(["convert", str(case.source), str(case.output), *EXTRA_ARGS.get(case.name, ())])
+        case.log = log.getvalue()
+        assert code == 0, case.log
+        batch = batch_of(case)
+        case.inputs = root / "inputs" / f"{case.name}.safetensors"
+        case.inputs.parent.mkdir(exist_ok=True)
+        save_file(batch, case.inputs)
+        with torch.no_grad():
+            case.expected = named_outputs(case.reference(**batch))
+    return cases
+
+
+def check_outputs(cases: list[Case], outputs: dict[str, torch.Tensor]) -> dict[str, float]:
+    errors = {}
+    for case in cases:
+        batch = load_file(case.inputs)
+        mask = batch["attention_mask"].reshape(-1, batch["attention_mask"].shape[-1]).bool()
+        for name, expected in case.expected.items():
+            errors[f"{case.name}/{name}"] = relative_error(outputs[f"{case.name}/{name}"], expected, mask)
+    bad = {
+        key: error
+        for key, error in errors.items()
+        if error > (TOLERANCE_BF16 if "bfloat16" in EXTRA_ARGS.get(key.split("/")[0], ()) else TOLERANCE)
+    }
+    assert not bad, bad
+    return errors
+
+
+def load_in_child(python, cases: list[Case], tmp_path: Path) -> tuple[dict, dict]:
+    manifest = [
+        {
+            "name": case.name,
+            "folder": str(case.output),
+            "auto_class": case.auto_class,
+            "inputs": str(case.inputs),
+            "text": "Paris is the capital of France." if case.tokenizer else None,
+        }
+        for case in cases
+    ]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    result = run_isolated(
+        python,
+        HERE / "load_converted.py",
+        [str(tmp_path / "manifest.json"), str(tmp_path / "outputs.safetensors")],
+        env={
+            "HF_MODULES_CACHE": str(tmp_path / "modules"),
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONWARNINGS": "ignore",
+            "OMP_NUM_THREADS": "1",
+        },
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.rsplit("REPORT ", 1)[1].splitlines()[0])
+    return load_file(tmp_path / "outputs.safetensors"), report | {"stdout": result.stdout}
+
+
+def test_every_conversion_printed_parity_within_tolerance(converted):
+    for case in converted:
+        figures = re.findall(r"(\w+): max \|diff\| ([0-9.e+-]+) \(tolerance ([0-9.e+-]+)\)", case.log)
+        assert figures, case.log
+        assert all(float(diff) <= float(tol) for _, diff, tol in figures), case.log
+        files = {path.name for path in case.output.iterdir()}
+        assert {"config.json", "README.md", *bundle_sources()} <= files, files
+        config = json.loads((case.output / "config.json").read_text())
+        assert config["model_type"] == "disentangled" and config["auto_map"] == auto_map()
+        assert config["architectures"][0].startswith("Disentangled")
+
+
+def test_outputs_and_shards(converted):
+    sharded = next(case for case in converted if case.name == "v3-ForSequenceClassification")
+    assert (sharded.output / "model.safetensors.index.json").is_file()
+    bf16 = next(case for case in converted if case.name == "mdeberta-ForTokenClassification")
+    assert next(iter(load_file(bf16.output / "model.safetensors").values())).dtype == torch.bfloat16
+    assert not list(sharded.output.parent.glob(".*")), "a staging folder was left behind"
+
+
+@pytest.fixture(scope="module")
+def latest_child(converted, tmp_path_factory):
+    return load_in_child(system_python(), converted, tmp_path_factory.mktemp("latest"))
+
+
+@pytest.fixture(scope="module")
+def child_4_57(converted, tmp_path_factory):
+    if not PYTHON_4_57.exists():
+        pytest.skip(f"no transformers 4.57 environment at {PYTHON_4_57} (.ci/run creates it)")
+    return load_in_child(PYTHON_4_57, converted, tmp_path_factory.mktemp("v457"))
+
+
+def test_bundle_loads_without_the_package_on_latest_transformers(converted, latest_child):
+    outputs, report = latest_child
+    assert report["transformers"] == transformers.__version__
+    errors = check_outputs(converted, outputs)
+    print(f"transformers {report['transformers']}: worst relative error {max(errors.values()):.2e}")
+    for case in converted:
+        assert report["cases"][case.name]["module"].startswith("transformers_modules."), report["cases"][case.name]
+
+
+def test_bundle_loads_without_the_package_on_transformers_4_57(converted, child_4_57):
+    outputs, report = child_4_57
+    assert report["transformers"].startswith("4.57."), report["transformers"]
+    errors = check_outputs(converted, outputs)
+    print(f"transformers {report['transformers']}: worst relative error {max(errors.values()):.2e}")
+    assert "newly initialized" not in report["stdout"]
+
+
+def source_ids(case: Case) -> list[int]:
+    from disentangled.conversion.sources import read_source
+    from disentangled.conversion.tokenizer_files import source_tokenizer
+
+    return source_tokenizer(read_source(str(case.source)), "deberta-v2")("Paris is the capital of France.")["input_ids"]
+
+
+def test_tokenizer_of_hub_layout_sources_gives_the_source_ids(converted, latest_child):
+    """spm.model (+ tokenizer_config.json), no tokenizer.json: plain AutoTokenizer, no trust_remote_code."""
+    _, report = latest_child
+    with_tokenizer = [case for case in converted if case.tokenizer]
+    assert {case.name for case in with_tokenizer} == {"hub-v3-base", "ms-v3-mlm"}
+    for case in with_tokenizer:
+        config = json.loads((case.output / "tokenizer_config.json").read_text())
+        assert config["tokenizer_class"] == "DebertaV2Tokenizer"
+        assert report["cases"][case.name]["ids"] == source_ids(case)
+        assert report["cases"][case.name]["ids_declined"] == source_ids(case)
+        between = report["stdout"].split(f"TOKENIZER {case.name} BEGIN")[1].split(f"TOKENIZER {case.name} END")[0]
+        assert "custom code" not in between, between  # trust_remote_code=False: no prompt, no model code
+
+
+def test_tokenizer_on_transformers_4_57_same_ids_and_no_prompt(converted, child_4_57):
+    """transformers 4.57 reads tokenizer_config.json's tokenizer_class first: no prompt even without the argument."""
+    _, report = child_4_57
+    assert "Do you wish to run the custom code" not in report["stdout"]
+    for case in (case for case in converted if case.tokenizer):
+        assert report["cases"][case.name]["tokenizer"].startswith("DebertaV2Tokenizer")
+        assert report["cases"][case.name]["ids"] == source_ids(case)
+
+
+def test_bundle_loads_where_the_package_is_imported(converted):
+    """No registration clash: Auto classes and the folder's own remote code both load here, same outputs."""
+    for case in converted[::4]:
+        batch = load_file(case.inputs)
+        mask = batch["attention_mask"].reshape(-1, batch["attention_mask"].shape[-1]).bool()
+        auto = getattr(transformers, case.auto_class).from_pretrained(case.output, trust_remote_code=True).eval()
+        class_name = json.loads((case.output / "config.json").read_text())["architectures"][0]
+        bundled = load_bundled(case.output, class_name)
+        assert type(bundled).__module__.startswith("transformers_modules.")
+        with torch.no_grad():
+            for model in (auto, bundled):
+                outputs = named_outputs(model(**batch))
+                for name, expected in case.expected.items():
+                    limit = TOLERANCE_BF16 if case.name in EXTRA_ARGS and "--dtype" in EXTRA_ARGS[case.name] else 1e-4
+                    assert relative_error(outputs[name], expected, mask) <= limit, (case.name, name)
+
+
+def test_model_card_metadata(converted):
+    from huggingface_hub import ModelCard
+
+    hub = next(case for case in converted if case.name == "hub-v3-base")
+    card = ModelCard.load(hub.output / "README.md")
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "fill-mask"
+    assert {"custom_code", "deberta", "disentangled-attention"} <= set(card.data.tags)
+    assert "trust_remote_code=True" in card.text and "| `logits` |" in card.text
+    qa = next(case for case in converted if case.name == "v2-ForQuestionAnswering")
+    assert ModelCard.load(qa.output / "README.md").data.pipeline_tag == "question-answering"
+
+
+def test_the_bundle_is_generated_from_the_package():
+    sources = bundle_sources()
+    package = Path(__import__("disentangled.modeling", fromlist=["x"]).__file__).parent
+    assert set(sources) == {"configuration_disentangled.py"} | {
+        path.name for path in package.glob("*.py") if path.name != "__init__.py"
+    }
+    for text in sources.values():
+        assert "from ..configuration" not in text and "import disentangled" not in text
+    with pytest.raises(ValueError, match="imports the package"):
+        check_bundled_source("x.py", "import disentangled.modeling\n", {"x.py"})
+    with pytest.raises(ValueError, match="relative import"):
+        check_bundled_source("x.py", "from ..configuration import DisentangledConfig\n", {"x.py"})
+    with pytest.raises(ValueError, match="not a bundled file"):
+        check_bundled_source("x.py", "from .missing import thing\n", {"x.py"})
+
+
+def test_model_card_template_ships_with_the_package():
+    from importlib import resources
+
+    text = (resources.files("disentangled") / "model_card.md").read_text()
+    assert text == (HERE.parent / "model_card.md").read_text()
+    assert os.path.islink(HERE.parent / "src" / "disentangled" / "model_card.md")
+
+
+EXPORTED = [
+    "v1-ForMaskedLM",
+    "v1-ForQuestionAnswering",
+    "v2-Model",
+    "v3-ForMultipleChoice",
+    "mdeberta-ForSequenceClassification",
+    "mdeberta-ForTokenClassification",  # bfloat16 weights stay bfloat16
+    "hub-v3-base",  # legacy=False MLM head
+    "ms-v1-mlm",
+    "ms-v2-base",
+]
+
+
+def test_export_transformers_round_trip(converted, tmp_path):
+    """Converted folder -> transformers' DeBERTa-v2 format -> transformers' own classes give the source's outputs."""
+    for case in (case for case in converted if case.name in EXPORTED):
+        hf_dir = tmp_path / case.name
+        log = io.StringIO()
+        with redirect_stdout(log):
+            assert cli.main(["export-transformers", str(case.output), str(hf_dir)]) == 0
+        assert "parity" in log.getvalue()
+        config = json.loads((hf_dir / "config.json").read_text())
+        assert config["model_type"] == "deberta-v2" and "auto_map" not in config
+        assert not list(hf_dir.glob("*.py"))
+        native = getattr(transformers, case.auto_class).from_pretrained(hf_dir, dtype=torch.float32).eval()
+        assert type(native).__module__.startswith("transformers.models.deberta_v2."), type(native)
+        batch = load_file(case.inputs)
+        mask = batch["attention_mask"].reshape(-1, batch["attention_mask"].shape[-1]).bool()
+        limit = TOLERANCE_BF16 if "--dtype" in EXTRA_ARGS.get(case.name, ()) else TOLERANCE
+        with torch.no_grad():
+            outputs = named_outputs(native(**batch))
+        for name, expected in case.expected.items():
+            assert relative_error(outputs[name], expected, mask) <= limit, (case.name, name)
+
+
+def test_wheel_ships_the_model_card_template(tmp_path):
+    """A non-editable install finds model_card.md too: the wheel holds its text, not a dangling link."""
+    import subprocess
+    import sys
+    import zipfile
+
+    root = HERE.parent
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(root),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    if result.returncode != 0 and "license" in result.stderr:
+        pytest.skip("this setuptools cannot build the project (PEP 639 license string)")
+    assert result.returncode == 0, result.stderr[-2000:]
+    with zipfile.ZipFile(next(tmp_path.glob("*.whl"))) as wheel:
+        assert wheel.read("disentangled/model_card.md").decode() == (root / "model_card.md").read_text()
+        names = set(wheel.namelist())
+    assert {"disentangled/modeling/modeling_disentangled.py", "disentangled/conversion/bundle.py"} <= names
