@@ -119,10 +119,11 @@ def eager_disentangled(
 
     Returns the context as [B, L, H, D] and the attention probabilities [B, H, L, L].
     """
-    c2c = (query @ key.mT) * scaling  # q_i . k_j
+    c2c = (query * scaling) @ key.mT  # q_i . k_j, scaled first: q . k itself can overflow float16 (mDeBERTa)
     scores = c2c + position_scores.bias() if position_scores is not None else c2c
     probs = torch.softmax(_masked_scores(scores, attention_mask), dim=-1, dtype=torch.float32).to(query.dtype)
-    probs = F.dropout(probs, p=dropout, training=dropout > 0)
+    if dropout > 0:  # a branch, not training=dropout > 0: under torch.compile that is a SymBool
+        probs = F.dropout(probs, p=dropout)
     return (probs @ value).transpose(1, 2), probs
 
 
@@ -145,7 +146,10 @@ def sdpa_disentangled(
         bias = torch.zeros((), dtype=query.dtype, device=query.device) if bias is None else bias
         bias = _masked_scores(bias.expand(*bias.shape[:2], query.shape[-2], key.shape[-2]), attention_mask)
     context = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling)
-    return context.transpose(1, 2), None
+    context = context.transpose(1, 2)  # [B, L, H, D]
+    if torch.compiler.is_compiling():  # torch.export's decomposition of sdpa yields other strides than it traced
+        context = context.clone(memory_format=torch.contiguous_format)
+    return context, None
 
 
 DISENTANGLED_ATTENTION_FUNCTIONS = {

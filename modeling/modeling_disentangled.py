@@ -43,6 +43,14 @@ from .disentangled_attention import (
     mirror_columns,
     relative_index,
 )
+from .validation import (
+    IGNORE_INDEX,
+    input_shape,
+    validate_classification_labels,
+    validate_inputs,
+    validate_labels,
+    validate_span_positions,
+)
 
 try:  # transformers 5: initialisers that leave weights loaded from a checkpoint alone
     from transformers import initialization as init
@@ -385,8 +393,7 @@ class DisentangledModel(DisentangledPreTrainedModel):
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
         return_dict = return_dict if return_dict is not None else self.config.return_dict
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        validate_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
         device = input_ids.device if input_ids is not None else inputs_embeds.device
         if attention_mask is None:
@@ -411,6 +418,13 @@ class DisentangledModel(DisentangledPreTrainedModel):
         return pair_mask.any(-2), pair_mask[:, None]
 
 
+def _cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """Mean cross-entropy over the labels that are not `ignore_index`; 0, not NaN, when all of them are (a batch
+    with no masked token must not turn the gradients into NaN)."""
+    losses = CrossEntropyLoss(reduction="none", ignore_index=ignore_index)(logits, labels)  # 0 where ignored
+    return losses.sum() / (labels != ignore_index).sum().clamp(min=1)
+
+
 def _loss_for_classification(config: DisentangledConfig, logits: Tensor, labels: Tensor) -> Tensor:
     """DeBERTa's classification loss. With `problem_type` unset: one label is regression, integer labels are
     cross-entropy over the examples whose label is >= 0, and per-class labels are soft targets."""
@@ -422,15 +436,15 @@ def _loss_for_classification(config: DisentangledConfig, logits: Tensor, labels:
             else MSELoss()(logits, labels.to(logits.dtype))
         )
     if config.problem_type == "single_label_classification":
-        return CrossEntropyLoss()(logits.view(-1, num_labels), labels.view(-1))
+        return _cross_entropy(logits.view(-1, num_labels), labels.view(-1))
     if config.problem_type == "multi_label_classification":
         return BCEWithLogitsLoss()(logits, labels.to(logits.dtype))
     if labels.dim() == 1 or labels.shape[-1] == 1:
         labels = labels.view(-1).long()
         labeled = labels >= 0
-        if not labeled.any():
-            return logits.new_zeros(())
-        return CrossEntropyLoss()(logits[labeled].float(), labels[labeled])
+        # The mean over labeled examples (0 if none), without a data-dependent branch, so that it compiles.
+        losses = CrossEntropyLoss(reduction="none")(logits.float(), labels.clamp(min=0))
+        return (losses * labeled).sum() / labeled.sum().clamp(min=1)
     return -(torch.log_softmax(logits, dim=-1) * labels).sum(-1).mean()
 
 
@@ -567,6 +581,10 @@ class DisentangledForMaskedLM(DisentangledPreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> MaskedLMOutput | tuple:
+        if labels is not None:
+            validate_labels(
+                "labels", labels, [input_shape(input_ids, inputs_embeds)], 0, self.config.vocab_size, IGNORE_INDEX
+            )
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.deberta(
             input_ids,
@@ -583,7 +601,7 @@ class DisentangledForMaskedLM(DisentangledPreTrainedModel):
             logits = self.cls(sequence_output)
         else:
             logits = self.lm_predictions(sequence_output, self.deberta.embeddings.word_embeddings)
-        loss = CrossEntropyLoss()(logits.view(-1, logits.shape[-1]), labels.view(-1)) if labels is not None else None
+        loss = _cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1)) if labels is not None else None
         return _finish(MaskedLMOutput, return_dict, loss, outputs, logits=logits)
 
 
@@ -610,6 +628,8 @@ class DisentangledForSequenceClassification(DisentangledPreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> SequenceClassifierOutput | tuple:
+        if labels is not None:
+            validate_classification_labels(self.config, labels, batch=input_shape(input_ids, inputs_embeds)[0])
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.deberta(
             input_ids,
@@ -648,6 +668,8 @@ class DisentangledForTokenClassification(DisentangledPreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> TokenClassifierOutput | tuple:
+        if labels is not None:
+            validate_labels("labels", labels, [input_shape(input_ids, inputs_embeds)], 0, self.num_labels, IGNORE_INDEX)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.deberta(
             input_ids,
@@ -662,7 +684,7 @@ class DisentangledForTokenClassification(DisentangledPreTrainedModel):
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
         if labels is not None:
-            loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.view(-1))
+            loss = _cross_entropy(logits.view(-1, self.num_labels), labels.view(-1))
         return _finish(TokenClassifierOutput, return_dict, loss, outputs, logits=logits)
 
 
@@ -688,6 +710,7 @@ class DisentangledForQuestionAnswering(DisentangledPreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> QuestionAnsweringModelOutput | tuple:
+        validate_span_positions(start_positions, end_positions, batch=input_shape(input_ids, inputs_embeds)[0])
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.deberta(
             input_ids,
@@ -706,8 +729,8 @@ class DisentangledForQuestionAnswering(DisentangledPreTrainedModel):
             ignored = start_logits.shape[1]  # positions outside the input are ignored
             start_positions = start_positions.view(-1).clamp(0, ignored)
             end_positions = end_positions.view(-1).clamp(0, ignored)
-            loss_fct = CrossEntropyLoss(ignore_index=ignored)
-            loss = (loss_fct(start_logits, start_positions) + loss_fct(end_logits, end_positions)) / 2
+            start_loss = _cross_entropy(start_logits, start_positions, ignore_index=ignored)
+            loss = (start_loss + _cross_entropy(end_logits, end_positions, ignore_index=ignored)) / 2
         return _finish(
             QuestionAnsweringModelOutput, return_dict, loss, outputs, start_logits=start_logits, end_logits=end_logits
         )
@@ -735,8 +758,12 @@ class DisentangledForMultipleChoice(DisentangledPreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> MultipleChoiceModelOutput | tuple:
+        validate_inputs(
+            self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, batch_dims=2
+        )
+        batch, num_choices, _ = input_shape(input_ids, inputs_embeds, batch_dims=2)
+        validate_labels("labels", labels, [[batch]], 0, num_choices, IGNORE_INDEX)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
-        num_choices = (input_ids if input_ids is not None else inputs_embeds).shape[1]
 
         def flat(x: Tensor | None) -> Tensor | None:  # [B, C, ...] -> [B * C, ...]
             return x.flatten(0, 1) if x is not None else None
@@ -752,7 +779,7 @@ class DisentangledForMultipleChoice(DisentangledPreTrainedModel):
             return_dict=True,
         )
         logits = self.classifier(self.dropout(self.pooler(outputs.last_hidden_state))).view(-1, num_choices)
-        loss = CrossEntropyLoss()(logits, labels) if labels is not None else None
+        loss = _cross_entropy(logits, labels) if labels is not None else None
         return _finish(MultipleChoiceModelOutput, return_dict, loss, outputs, logits=logits)
 
 
