@@ -333,13 +333,34 @@ class ConversionResult:
     files: list[str]
 
 
-def prepare_output(output_dir: Path, force: bool) -> Path:
-    """A fresh staging folder next to `output_dir`, named like it (its remote code is cached under that name)."""
+def check_output(output_dir: Path, force: bool, source_folder: Path | None = None) -> Path:
+    """The absolute output folder, after refusing what must not be written or replaced.
+
+    A non-empty folder is replaced only with `force`, and only when it is a model folder (it holds a
+    config.json): `--force` never wipes an arbitrary folder such as a home directory. The source folder and
+    any folder that contains it are never an output.
+    """
     output_dir = Path(output_dir).expanduser().absolute()
     if output_dir.exists() and not output_dir.is_dir():
         raise FileExistsError(f"output {output_dir} exists and is not a folder")
-    if output_dir.is_dir() and any(output_dir.iterdir()) and not force:
-        raise FileExistsError(f"output folder {output_dir} is not empty; pass --force to replace it")
+    if source_folder is not None:
+        source_folder = Path(source_folder).expanduser().absolute()
+        if output_dir == source_folder or output_dir in source_folder.parents:
+            raise ValueError(f"output folder {output_dir} holds the source {source_folder}; choose another output")
+    if output_dir.is_dir() and any(output_dir.iterdir()):
+        if not force:
+            raise FileExistsError(f"output folder {output_dir} is not empty; pass --force to replace it")
+        if not (output_dir / "config.json").is_file():
+            raise FileExistsError(
+                f"output folder {output_dir} is not empty and is not a model folder (no config.json); "
+                "--force replaces only a model folder, so choose another output"
+            )
+    return output_dir
+
+
+def prepare_output(output_dir: Path, force: bool, source_folder: Path | None = None) -> Path:
+    """A fresh staging folder next to `output_dir`, named like it (its remote code is cached under that name)."""
+    output_dir = check_output(output_dir, force, source_folder)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent)) / output_dir.name
     staging.mkdir()
@@ -374,9 +395,8 @@ def convert(
     from .model_card import write_model_card
     from .tokenizer_files import copy_tokenizer
 
-    output_dir = Path(output_dir).expanduser().absolute()
-    if output_dir.is_dir() and any(output_dir.iterdir()) and not force:
-        raise FileExistsError(f"output folder {output_dir} is not empty; pass --force to replace it")
+    local_source = Path(source).expanduser()
+    output_dir = check_output(output_dir, force, local_source if local_source.is_dir() else None)
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}")
     read = read_source(source, revision=revision, token=token)
@@ -403,7 +423,7 @@ def convert(
         ours = ours.to(DTYPES[dtype])
     del rounded
 
-    staging = prepare_output(output_dir, force)
+    staging = prepare_output(output_dir, force, read.folder)
     try:
         export_hub_folder(ours, staging, max_shard_size=max_shard_size)
         del ours

@@ -76,7 +76,7 @@ def export_transformers(
     load_strict(reference, {rename_key(k): v.float() for k, v in state_dict.items()}, type(reference).__name__)
     dtype = next(iter(state_dict.values())).dtype
 
-    staging = prepare_output(Path(hf_dir), force)
+    staging = prepare_output(Path(hf_dir), force, source_folder)
     try:
         reference.to(dtype).save_pretrained(staging)
         for name in TOKENIZER_FILES:

@@ -5,8 +5,12 @@ Authentication is huggingface_hub's own (`HF_TOKEN` or the stored login); the to
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from pathlib import Path
+
+from .bundle import bundle_sources
+from .sources import TOKENIZER_FILES
 
 
 def check_repo_id(repo_id: str) -> str:
@@ -20,8 +24,34 @@ def check_repo_id(repo_id: str) -> str:
     return repo_id
 
 
-def folder_files(folder: Path) -> list[Path]:
-    return sorted(path for path in folder.rglob("*") if path.is_file() and ".git" not in path.parts)
+# What `disentangled convert` writes, and so all that `push` uploads: a stray `.env`, a key or a notebook
+# left in the folder stays local.
+UPLOADED_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "README.md",
+    *TOKENIZER_FILES,
+)
+
+
+def folder_files(folder: Path, log=None) -> list[Path]:
+    """The top-level files of `folder` that a conversion writes; refuses symbolic links among them."""
+    patterns = (*UPLOADED_PATTERNS, *bundle_sources())  # the remote-code files, by name
+    chosen, skipped = [], []
+    for path in sorted(folder.iterdir()):
+        if any(fnmatch.fnmatchcase(path.name, pattern) for pattern in patterns):
+            if path.is_symlink():
+                raise ValueError(f"{path.name} in {folder} is a symbolic link; push uploads regular files only")
+            if path.is_file():
+                chosen.append(path)
+                continue
+        skipped.append(path.name)
+    if skipped and log is not None:
+        log(f"not uploaded (not written by a conversion): {', '.join(skipped)}")
+    return chosen
 
 
 def check_converted_folder(folder: Path) -> None:
@@ -54,7 +84,7 @@ def push_folder(
         raise ValueError(
             "--create-pr opens a pull request against the default branch; do not combine it with a revision"
         )
-    files = folder_files(folder)
+    files = folder_files(folder, log)
     message = commit_message or f"Upload {folder.name}, converted with `disentangled convert`"
     target = f"{repo_id}" + (f"@{revision}" if revision else "") + (" (pull request)" if create_pr else "")
     if dry_run:
@@ -75,6 +105,7 @@ def push_folder(
         info = api.upload_folder(
             repo_id=url.repo_id,
             folder_path=folder,
+            allow_patterns=[path.name for path in files],
             commit_message=message,
             revision=revision,
             create_pr=create_pr,

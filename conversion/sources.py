@@ -174,6 +174,8 @@ def load_weights(folder: Path) -> tuple[dict, list[str]]:
             shards = sorted(set(weight_map.values()))
             tensors: dict = {}
             for shard in shards:
+                if not isinstance(shard, str) or shard in ("", ".", "..") or Path(shard).name != shard:
+                    raise ValueError(f"{index} names shard {shard!r}: shards must be plain file names in the folder")
                 if not (folder / shard).is_file():
                     raise FileNotFoundError(f"shard {shard} named in {index} is missing from {folder}")
                 tensors.update(load_tensors(folder / shard))

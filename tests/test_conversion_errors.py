@@ -137,10 +137,32 @@ def test_non_empty_output_needs_force(capsys, tmp_path, source):
     (out / "keep.txt").write_text("mine")
     expect_error(capsys, tmp_path, source, out, match="not empty; pass --force")
     assert (out / "keep.txt").read_text() == "mine"
+    # --force replaces a model folder (one holding a config.json), never an arbitrary folder such as ~
+    expect_error(capsys, tmp_path, source, out, "--force", match="not a model folder")
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "config.json").write_text("{}")
     code, _, err = run_cli(capsys, "convert", source, out, "--force")
     assert code == 0, err
-    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    assert not (out / "keep.txt").exists() and json.loads((out / "config.json").read_text())["model_type"]
     assert not list(tmp_path.glob(".out.*"))
+
+
+def test_output_never_replaces_the_source(capsys, tmp_path, source):
+    folder = copy_of(source, tmp_path / "checkpoint")
+    before = sorted(p.name for p in folder.iterdir())
+    for output in (folder, tmp_path):
+        expect_error(capsys, tmp_path, folder, output, "--force", match="holds the source")
+    assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_shard_index_cannot_name_files_outside_the_checkpoint(capsys, tmp_path, source):
+    folder = copy_of(source, tmp_path / "escaping")
+    weights = next(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
+    index_name = "model.safetensors.index.json" if weights.suffix == ".safetensors" else "pytorch_model.bin.index.json"
+    outside = tmp_path / ("outside" + weights.suffix)
+    weights.rename(outside)
+    (folder / index_name).write_text(json.dumps({"weight_map": {"anything": "../" + outside.name}}))
+    expect_error(capsys, tmp_path, folder, tmp_path / "out", match="plain file names")
 
 
 def test_invalid_push_target_fails_before_converting(capsys, tmp_path, source):

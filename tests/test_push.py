@@ -132,3 +132,23 @@ def test_convert_from_a_private_hub_repo_at_a_revision_then_offline(tmp_path):
         endpoint="http://127.0.0.1:9", env={**env, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     assert offline.returncode == 0, offline.stderr
+
+
+def test_push_uploads_only_what_a_conversion_writes(tmp_path, source):
+    out = tmp_path / "out"
+    with HubStandIn() as hub:
+        assert run_cli("convert", source, out, endpoint=hub.endpoint).returncode == 0
+        written = sorted(p.name for p in out.iterdir())
+        (out / ".env").write_text(f"HF_TOKEN={TOKEN}\n")
+        (out / "notes.txt").write_text("private")
+        result = run_cli("push", out, "me/only-converted", endpoint=hub.endpoint)
+        assert result.returncode == 0, result.stderr
+        assert sorted(hub.commits[0]["files"]) == written
+        assert "not uploaded (not written by a conversion): .env, notes.txt" in result.stdout
+        assert TOKEN not in result.stdout + result.stderr
+
+        (out / "spm.model").unlink(missing_ok=True)
+        (out / "spm.model").symlink_to(tmp_path / "elsewhere")
+        refused = run_cli("push", out, "me/only-converted", "--dry-run", endpoint=hub.endpoint)
+        assert refused.returncode != 0 and "symbolic link" in refused.stderr
+        assert len(hub.commits) == 1
