@@ -691,6 +691,10 @@ class DisentangledForTokenClassification(DisentangledPreTrainedModel):
 class DisentangledForQuestionAnswering(DisentangledPreTrainedModel):
     def __init__(self, config: DisentangledConfig):
         super().__init__(config)
+        if config.num_labels != 2:
+            raise ValueError(
+                f"question answering predicts a start and an end logit: num_labels must be 2, got {config.num_labels}"
+            )
         self.num_labels = config.num_labels
         self.deberta = DisentangledModel(config)
         self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)

@@ -183,3 +183,8 @@ def test_device_map_auto_loads(tmp_path):
     disentangled.DisentangledModel(DisentangledConfig(**TINY)).save_pretrained(tmp_path)
     model = transformers.AutoModel.from_pretrained(tmp_path, device_map="auto")
     assert model(**padded_batch(128, [7])).last_hidden_state.shape == (1, 7, 32)
+
+
+def test_question_answering_needs_two_labels():
+    with pytest.raises(ValueError, match="num_labels must be 2"):
+        disentangled.DisentangledForQuestionAnswering(DisentangledConfig(**TINY, num_labels=3))
