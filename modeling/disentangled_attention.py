@@ -12,20 +12,35 @@ embeddings P, δ(i, j) the bucketed distance i - j):
 Index convention: c2p and p2c both read the bucket of i - j. The paper writes p2c with δ(j, i), but the
 released checkpoints were trained with δ(i, j) (microsoft/DeBERTa #47, #162), and parity decides.
 
-The position terms are never stored as [L, L] per layer here: a layer hands its backend `PositionScores`,
-the c2p and p2c scores against every relative bucket ([B, H, L, 2S] tables, with the scaling already folded
-into the small position projections), plus the [L, L] bucket index that the whole forward shares. The eager
-backend gathers them into a dense bias; faster backends read the tables directly.
+What is never materialised: the position terms are not stored as [L, L] per layer, and no [L, L] index
+exists outside the eager reference. The encoder builds `RelativePositions` once per forward: the table
+column of each distance d = i - j ([2L - 1] entries) and the range of relative rows an L-token input can
+reach (255 rows for 128 tokens, not 2S = 512); only those rows are projected. A layer hands its backend
+`PositionScores`, the c2p and p2c scores against the reachable rows ([B, H, L, W] tables, the scaling folded
+into the small position projections). Then:
+
+- eager (the reference) gathers the tables into a dense [B, H, L, L] bias with an [L, L] index;
+- sdpa builds the bias one block of query rows at a time and hands it to
+  `torch.nn.functional.scaled_dot_product_attention`. With the keys in reverse order (j' = L - 1 - j),
+  i - j + L - 1 = i + j', so the index of a block is a stride-(1, 1) view of the [2L - 1] column vector
+  (a Hankel matrix): no index tensor is built, and the gathers read memory in order;
+- flex_attention reads the tables inside a `score_mod`, so no [L, L] tensor exists at all.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
+
+try:  # torch >= 2.5; the Hub bundle must still import without it
+    from torch.nn.attention.flex_attention import flex_attention as _flex_attention
+except ImportError:  # pragma: no cover
+    _flex_attention = None
 
 
 def log_bucket(distance: Tensor, bucket_size: int, max_position: int) -> Tensor:
@@ -55,7 +70,7 @@ def relative_index_by_distance(length: int, span: int, bucket_size: int, max_pos
 
 
 def relative_index(length: int, span: int, bucket_size: int, max_position: int, device) -> Tensor:
-    """rel_index[i, j] = δ(i, j) + span: [L, L] int64, built once per forward for all layers."""
+    """rel_index[i, j] = δ(i, j) + span: [L, L] int64. Only for inspection; the model uses `RelativePositions`."""
     by_distance = relative_index_by_distance(length, span, bucket_size, max_position, device)
     positions = torch.arange(length, device=device)
     return by_distance[positions[:, None] - positions[None, :] + length - 1]
@@ -67,26 +82,97 @@ def gather_relative(by_offset: Tensor, rel_index: Tensor) -> Tensor:
 
 
 @dataclass
-class PositionScores:
-    """One layer's position terms, by relative bucket, scaled.
+class RelativePositions:
+    """Where each distance d = i - j of an L-token input reads the position tables; one per forward.
 
-    c2p[b, h, i, r] = q_i . Kr[r] * scaling and p2c[b, h, j, r] = k_j . Qr[r] * scaling ([B, H, L, 2S]);
-    p2p[h, r] = Qr[r] . Kr[mirror(r)] * scaling ([H, 2S]), where mirror(r) is the column of -δ. A term the
+    `rows` are the reachable rows of the 2S relative-embedding table (a contiguous range, since buckets are
+    monotone in d); `column[d + L - 1]` is δ(i, j) + span - rows.start, a column of a table over those rows.
+    `column` is int64 because `gather` takes no other index type; it has 2L - 1 entries, never L x L.
+    """
+
+    column: Tensor  # [2L - 1] int64
+    rows: slice  # of the 2S relative embeddings
+
+    @classmethod
+    def build(
+        cls, length: int, span: int, bucket_size: int, max_position: int, device, all_rows: bool = False
+    ) -> RelativePositions:
+        # Built on the CPU (a few thousand integers), so that the reachable range costs no device sync.
+        by_distance = relative_index_by_distance(length, span, bucket_size, max_position, "cpu")
+        first, last = (0, 2 * span - 1) if all_rows else (by_distance[0].item(), by_distance[-1].item())
+        return cls(column=(by_distance - first).to(device), rows=slice(first, last + 1))
+
+    @property
+    def length(self) -> int:
+        return (self.column.shape[0] + 1) // 2
+
+    @property
+    def width(self) -> int:
+        return self.rows.stop - self.rows.start
+
+    def cut(self, length: int) -> RelativePositions:
+        """The same tables read by a shorter input (one sequence of a packed batch)."""
+        middle = self.length - 1
+        return RelativePositions(column=self.column[middle - (length - 1) : middle + length], rows=self.rows)
+
+    def dense(self, rows: slice = slice(None)) -> Tensor:
+        """[len(rows), L] column of δ(i, j): the eager reference's index."""
+        length = self.length
+        positions = torch.arange(length, device=self.column.device)
+        return self.column[positions[rows, None] - positions[None, :] + length - 1]
+
+    def hankel(self, first: int, rows: int, columns: int) -> Tensor:
+        """index[a, b] = column[first + a + b], [rows, columns], a view (strides (1, 1)) of the column vector."""
+        return self.column.as_strided((rows, columns), (1, 1), self.column.storage_offset() + first)
+
+
+@dataclass
+class PositionScores:
+    """One layer's position terms against the reachable relative rows, scaled.
+
+    c2p[b, h, i, r] = q_i . Kr[r] * scaling and p2c[b, h, j, r] = k_j . Qr[r] * scaling ([B, H, L, W]);
+    p2p[h, r] = Qr[r] . Kr[mirror(r)] * scaling ([H, W]), where mirror(r) is the column of -δ. A term the
     config does not use is None.
     """
 
     c2p: Tensor | None
     p2c: Tensor | None
     p2p: Tensor | None
-    rel_index: Tensor  # [L, L] int64, δ(i, j) + span
+    positions: RelativePositions
 
     def bias(self, rows: slice = slice(None)) -> Tensor | float:
-        """The summed position terms for query rows `rows`: [B or 1, H, len(rows), L]."""
-        rel_index = self.rel_index[rows]
+        """The summed position terms for query rows `rows`: [B or 1, H, len(rows), L]. The reference."""
+        rel_index = self.positions.dense(rows)  # [len(rows), L] columns of δ(i, j)
         c2p = gather_relative(self.c2p[:, :, rows], rel_index) if self.c2p is not None else 0.0  # q_i . Kr[δ(i,j)]
         p2c = gather_relative(self.p2c, rel_index.T).mT if self.p2c is not None else 0.0  # k_j . Qr[δ(i,j)]
         p2p = self.p2p[:, rel_index].unsqueeze(0) if self.p2p is not None else 0.0  # Qr[δ(i,j)] . Kr[δ(j,i)]
         return c2p + p2c + p2p
+
+    def bias_reversed_keys(self, p2c_reversed: Tensor | None, first: int, last: int) -> Tensor | float:
+        """The summed position terms for query rows [first, last), keys in reverse order: [B or 1, H, n, L].
+
+        With j' = L - 1 - j the column of (i, j) is column[i + j'], a Hankel view: each gather reads one
+        contiguous window of its table row. `p2c_reversed` is p2c with its rows (keys) reversed.
+        """
+        positions, length, n = self.positions, self.positions.length, last - first
+        c2p = p2c = p2p = 0.0
+        if self.c2p is not None:  # q_i . Kr[δ(i,j)]: row i, column column[i + j']
+            c2p_rows = self.c2p[:, :, first:last]
+            c2p = c2p_rows.gather(-1, positions.hankel(first, n, length).expand(*c2p_rows.shape[:2], n, length))
+        if p2c_reversed is not None:  # k_j . Qr[δ(i,j)]: row j', column column[i + j'], built as [j', i]
+            index = positions.hankel(first, length, n).expand(*p2c_reversed.shape[:2], length, n)
+            p2c = p2c_reversed.gather(-1, index).mT
+        if self.p2p is not None:  # Qr[δ(i,j)] . Kr[δ(j,i)]
+            p2p = self.p2p[:, positions.hankel(first, n, length)].unsqueeze(0)
+        return c2p + p2c + p2p
+
+    def cut(self, first: int, last: int) -> PositionScores:
+        """The position terms of tokens [first, last) as an input of their own (one packed sequence)."""
+
+        def tokens(table: Tensor | None) -> Tensor | None:
+            return table[:, :, first:last] if table is not None else None
+
+        return PositionScores(tokens(self.c2p), tokens(self.p2c), self.p2p, self.positions.cut(last - first))
 
 
 def mirror_columns(span: int, device) -> Tensor:
@@ -122,6 +208,9 @@ def eager_disentangled(
     return (probs @ value).transpose(1, 2), probs
 
 
+SDPA_BLOCK_ELEMENTS = 1 << 23  # bias elements per query block (32 MiB in float32): bounded, and cache-sized
+
+
 def sdpa_disentangled(
     module: torch.nn.Module,
     query: Tensor,
@@ -131,22 +220,114 @@ def sdpa_disentangled(
     scaling: float,
     dropout: float = 0.0,
     position_scores: PositionScores | None = None,
+    block_elements: int | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """`scaled_dot_product_attention` with the position terms (and the mask) as an additive float bias."""
-    bias = None
-    if position_scores is not None:
-        bias = position_scores.bias().to(query.dtype)
-    if attention_mask is not None:
-        bias = torch.zeros((), dtype=query.dtype, device=query.device) if bias is None else bias
-        bias = _masked_scores(bias.expand(*bias.shape[:2], query.shape[-2], key.shape[-2]), attention_mask)
-    context = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling)
+    """`scaled_dot_product_attention` with the position terms (and the mask) as an additive float bias.
+
+    The bias exists one block of query rows at a time ([B, H, rows, L], at most `block_elements`); the keys
+    go in reverse order so that the block's index is a view (see `PositionScores.bias_reversed_keys`).
+    Attention is invariant to the order of the keys, so the result is unchanged.
+    """
+    batch, heads, length, _ = query.shape
+    block_elements = block_elements or SDPA_BLOCK_ELEMENTS
+    if position_scores is None:
+        bias = None
+        if attention_mask is not None:  # finfo.min, not -inf: a fully masked row is uniform, as in eager
+            bias = _masked_scores(torch.zeros((), dtype=query.dtype, device=query.device), attention_mask)
+        context = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling)
+        return context.transpose(1, 2), None
+
+    key, value = key.flip(-2), value.flip(-2)  # j' = L - 1 - j
+    mask = attention_mask.flip(-1) if attention_mask is not None else None
+    p2c_reversed = position_scores.p2c.flip(-2) if position_scores.p2c is not None else None
+    step = max(1, min(length, block_elements // max(1, batch * heads * length)))
+    blocks = []
+    for first in range(0, length, step):
+        last = min(first + step, length)
+        bias = position_scores.bias_reversed_keys(p2c_reversed, first, last).to(query.dtype)
+        if mask is not None:  # [B, 1, 1 | L, L] -> this block's rows
+            block_mask = mask if mask.shape[-2] == 1 else mask[:, :, first:last]
+            bias = bias.expand(batch, heads, last - first, length).masked_fill(
+                ~block_mask, torch.finfo(query.dtype).min
+            )
+        blocks.append(
+            F.scaled_dot_product_attention(
+                query[:, :, first:last], key, value, attn_mask=bias, dropout_p=dropout, scale=scaling
+            )
+        )
+    context = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
     return context.transpose(1, 2), None
 
+
+_compiled_flex = None
+FLEX_COMPILED = True  # False runs flex_attention's dense reference of the same score_mod (tests)
+
+
+def compiled_flex_attention():
+    """`torch.compile(flex_attention)`, built on first use (building a module changes no global state)."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(_flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def flex_disentangled(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    position_scores: PositionScores | None = None,
+    compiled: bool | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """FlexAttention whose `score_mod` reads the [B, H, L, W] tables: memory linear in L, no [L, L] tensor.
+
+    Takes no dropout (the caller falls back to sdpa when it is needed). Uncompiled, flex_attention runs
+    the same `score_mod` densely, which the tests use to check it cheaply.
+    """
+    if dropout > 0:
+        raise ValueError("flex_disentangled takes no attention dropout")
+    length = query.shape[-2]
+    keep = None
+    if attention_mask is not None:  # [B, 1, 1 | L, L] bool
+        keep = attention_mask[:, 0, 0] if attention_mask.shape[-2] == 1 else attention_mask[:, 0]
+    masked = torch.finfo(query.dtype).min
+    c2p = p2c = p2p = None
+    column = None
+    if position_scores is not None:
+        c2p, p2c, p2p = position_scores.c2p, position_scores.p2c, position_scores.p2p
+        column = position_scores.positions.column
+
+    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        if column is not None:
+            r = column[q_idx - kv_idx + length - 1]  # δ(i, j)'s column
+            if c2p is not None:
+                score = score + c2p[b, h, q_idx, r]  # q_i . Kr[δ(i,j)]
+            if p2c is not None:
+                score = score + p2c[b, h, kv_idx, r]  # k_j . Qr[δ(i,j)]
+            if p2p is not None:
+                score = score + p2p[h, r]  # Qr[δ(i,j)] . Kr[δ(j,i)]
+        if keep is not None:
+            allowed = keep[b, kv_idx] if keep.dim() == 2 else keep[b, q_idx, kv_idx]
+            score = torch.where(allowed, score, masked)
+        return score
+
+    compiled = FLEX_COMPILED if compiled is None else compiled
+    attend = compiled_flex_attention() if compiled else _flex_attention
+    context = attend(query, key, value, score_mod=score_mod, scale=scaling)
+    return context.transpose(1, 2), None
+
+
+FLEX_AVAILABLE = _flex_attention is not None
 
 DISENTANGLED_ATTENTION_FUNCTIONS = {
     "eager": eager_disentangled,
     "sdpa": sdpa_disentangled,
+    "flex_attention": flex_disentangled,
 }
 
 
@@ -158,6 +339,16 @@ def dense_position_bias(position_scores: PositionScores | None, attention_mask: 
     if attention_mask is not None:
         bias = torch.where(attention_mask, bias, torch.finfo(dtype).min)
     return bias.to(dtype)
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """A fallback warning, once per process and message."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 def head_scaling(head_dim: int, number_of_terms: int) -> float:
