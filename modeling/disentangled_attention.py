@@ -155,7 +155,7 @@ class PositionScores:
         contiguous window of its table row. `p2c_reversed` is p2c with its rows (keys) reversed.
         """
         positions, length, n = self.positions, self.positions.length, last - first
-        c2p = p2c = p2p = 0.0
+        c2p = p2c = p2p = None
         if self.c2p is not None:  # q_i . Kr[δ(i,j)]: row i, column column[i + j']
             c2p_rows = self.c2p[:, :, first:last]
             c2p = c2p_rows.gather(-1, positions.hankel(first, n, length).expand(*c2p_rows.shape[:2], n, length))
@@ -164,7 +164,12 @@ class PositionScores:
             p2c = p2c_reversed.gather(-1, index).mT
         if self.p2p is not None:  # Qr[δ(i,j)] . Kr[δ(j,i)]
             p2p = self.p2p[:, positions.hankel(first, n, length)].unsqueeze(0)
-        return c2p + p2c + p2p
+        # c2p + p2c + p2p, summed in place into the first term's fresh buffer: one [.., n, L] block, not three
+        terms = [term for term in (c2p, p2c, p2p) if term is not None]
+        total = terms[0].contiguous() if terms[0] is not c2p else c2p
+        for term in terms[1:]:
+            total = total.add_(term) if total.shape == torch.broadcast_shapes(total.shape, term.shape) else total + term
+        return total
 
     def cut(self, first: int, last: int) -> PositionScores:
         """The position terms of tokens [first, last) as an input of their own (one packed sequence)."""
@@ -208,7 +213,7 @@ def eager_disentangled(
     return (probs @ value).transpose(1, 2), probs
 
 
-SDPA_BLOCK_ELEMENTS = 1 << 23  # bias elements per query block (32 MiB in float32): bounded, and cache-sized
+SDPA_BLOCK_ELEMENTS = 1 << 20  # bias elements per query block (4 MiB in float32): bounded, and cache-sized
 
 
 def sdpa_disentangled(
@@ -247,10 +252,13 @@ def sdpa_disentangled(
         last = min(first + step, length)
         bias = position_scores.bias_reversed_keys(p2c_reversed, first, last).to(query.dtype)
         if mask is not None:  # [B, 1, 1 | L, L] -> this block's rows
-            block_mask = mask if mask.shape[-2] == 1 else mask[:, :, first:last]
-            bias = bias.expand(batch, heads, last - first, length).masked_fill(
-                ~block_mask, torch.finfo(query.dtype).min
-            )
+            block_mask = ~(mask if mask.shape[-2] == 1 else mask[:, :, first:last])
+            if bias.shape == (batch, heads, last - first, length):
+                bias = bias.masked_fill_(block_mask, torch.finfo(query.dtype).min)
+            else:
+                bias = bias.expand(batch, heads, last - first, length).masked_fill(
+                    block_mask, torch.finfo(query.dtype).min
+                )
         blocks.append(
             F.scaled_dot_product_attention(
                 query[:, :, first:last], key, value, attn_mask=bias, dropout_p=dropout, scale=scaling

@@ -520,10 +520,12 @@ class DisentangledModel(DisentangledPreTrainedModel):
         return outputs
 
     @staticmethod
-    def _masks(attention_mask: Tensor, shape: torch.Size) -> tuple[Tensor, Tensor]:
+    def _masks(attention_mask: Tensor, shape: torch.Size) -> tuple[Tensor, Tensor | None]:
         """[B, L] token mask and the boolean mask the backends take: [B, 1, 1, L] keys, or [B, 1, L, L] pairs."""
         if attention_mask.dim() == 2:
             input_mask = attention_mask != 0
+            if input_mask.all():  # nothing to mask: the backends skip the masking work
+                return input_mask, None
             return input_mask, input_mask[:, None, None, :]
         pair_mask = attention_mask != 0  # [B, L, L]
         return pair_mask.any(-2), pair_mask[:, None]
