@@ -7,7 +7,8 @@ Everything is DeBERTa-v3-base-shaped (hidden 768, 12 heads, 3072 intermediate, 2
 weights, float32). Our model is loaded from transformers' `DebertaV2Model` checkpoint folder, so both run the
 same weights. Models run interleaved (one call of each, repeated), and the table reports medians and the
 ratio of each to BERT-sdpa and to transformers' DeBERTa, measured in the same run. Peak memory is measured in a
-fresh subprocess per (model, length) under an address-space cap, forward only, 1 layer, batch 1.
+fresh subprocess per (model, length) under an address-space cap, forward only, 1 layer, batch 1
+(flex_attention: compile included).
 Writes benchmarks/results/benchmark.json and benchmarks/results/memory.png.
 """
 
@@ -53,6 +54,22 @@ V3_BASE = dict(
 )
 
 
+def build_bert(layers: int) -> transformers.BertModel:
+    """A BERT of the same size, plain attention through sdpa, positions for 32k tokens."""
+    config = transformers.BertConfig(
+        vocab_size=V3_BASE["vocab_size"],
+        hidden_size=768,
+        num_hidden_layers=layers,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        max_position_embeddings=4096 * 8 + 2,
+    )
+    config._attn_implementation = "sdpa"
+    bert = transformers.BertModel(config, add_pooling_layer=False)
+    assert bert.config._attn_implementation == "sdpa"
+    return bert
+
+
 def build_models(layers: int, folder: Path, backends: list[str], training: bool) -> dict[str, torch.nn.Module]:
     """transformers' DebertaV2Model, ours on its weights (one per backend), and a same-size BertModel with sdpa."""
     torch.manual_seed(0)
@@ -61,17 +78,7 @@ def build_models(layers: int, folder: Path, backends: list[str], training: bool)
     reference.save_pretrained(folder)
     transformers.logging.set_verbosity_error()  # "a model of type deberta-v2 to instantiate ... disentangled" is expected
     ours = disentangled.DisentangledModel.from_pretrained(folder, attn_implementation="eager")
-    bert_config = transformers.BertConfig(
-        vocab_size=V3_BASE["vocab_size"],
-        hidden_size=768,
-        num_hidden_layers=layers,
-        num_attention_heads=12,
-        intermediate_size=3072,
-        max_position_embeddings=4096 * 8 + 2,
-    )
-    bert_config._attn_implementation = "sdpa"
-    bert = transformers.BertModel(bert_config, add_pooling_layer=False)
-    assert bert.config._attn_implementation == "sdpa"
+    bert = build_bert(layers)
     models = {}
     for backend in backends:
         model = ours if backend == backends[-1] else copy.deepcopy(ours)
@@ -118,24 +125,30 @@ def timing_case(models, batch: int, length: int, training: bool, repeats: int, w
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def current_rss_gib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
 def memory_child(model_name: str, length: int, folder: str) -> None:
-    """Subprocess: build one 1-layer model, run one forward, print JSON with the peak resident memory."""
-    models = build_models(1, Path(folder), [model_name.removeprefix("ours-")] if "ours" in model_name else [], False)
-    model = models[model_name]
-    for name in list(models):
-        if name != model_name:
-            del models[name]
+    """Subprocess: load one 1-layer model, run one forward, print JSON with the peak resident memory."""
+    transformers.logging.set_verbosity_error()
+    if model_name == "transformers-deberta":
+        model = transformers.DebertaV2Model.from_pretrained(folder)
+    elif model_name == "bert-sdpa":
+        model = build_bert(1)
+    else:
+        backend = model_name.removeprefix("ours-")
+        model = disentangled.DisentangledModel.from_pretrained(folder, attn_implementation=backend)
+    model.eval()
     gc.collect()
     inputs = inputs_for(1, length, padded=False)
-    if model_name == "ours-flex_attention":  # compile on a short input first, outside the measurement
-        with torch.inference_mode():
-            model(**inputs_for(1, 256, padded=False))
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (ru_maxrss is KiB)
+    baseline = current_rss_gib()
     start = time.perf_counter()
     with torch.inference_mode():
         model(**inputs)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB
     print(json.dumps({"peak_gib": peak, "baseline_gib": baseline, "seconds": seconds}))
 
 
@@ -294,7 +307,10 @@ def main(argv: list[str] | None = None) -> None:
         ]
         plot(report["memory"], args.out / "memory.png")
     report["markdown"] = "\n".join(text)
-    (args.out / ("benchmark-quick.json" if args.quick else "benchmark.json")).write_text(json.dumps(report, indent=2))
+    name = (
+        "benchmark-quick" if args.quick else "memory" if args.no_timing else "timing" if args.no_memory else "benchmark"
+    )
+    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2))
     print(report["markdown"])
 
 

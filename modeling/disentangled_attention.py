@@ -92,6 +92,10 @@ class RelativePositions:
 
     column: Tensor  # [2L - 1] int64
     rows: slice  # of the 2S relative embeddings
+    # Beyond the log buckets' reach the column stops changing: it is `far_columns[0]` for every d <= near[0]
+    # and `far_columns[1]` for every d >= near[1]. Python ints, so that reading them costs no device sync.
+    near: tuple[int, int] = (0, 0)
+    far_columns: tuple[int, int] = (0, 0)
 
     @classmethod
     def build(
@@ -100,7 +104,13 @@ class RelativePositions:
         # Built on the CPU (a few thousand integers), so that the reachable range costs no device sync.
         by_distance = relative_index_by_distance(length, span, bucket_size, max_position, "cpu")
         first, last = (0, 2 * span - 1) if all_rows else (by_distance[0].item(), by_distance[-1].item())
-        return cls(column=(by_distance - first).to(device), rows=slice(first, last + 1))
+        column = by_distance - first
+        lowest, highest = column[0].item(), column[-1].item()
+        near = (
+            int((column == lowest).nonzero().max()) - (length - 1),  # the last distance that still reads `lowest`
+            int((column == highest).nonzero().min()) - (length - 1),  # the first distance that reads `highest`
+        )
+        return cls(column=column.to(device), rows=slice(first, last + 1), near=near, far_columns=(lowest, highest))
 
     @property
     def length(self) -> int:
@@ -113,7 +123,12 @@ class RelativePositions:
     def cut(self, length: int) -> RelativePositions:
         """The same tables read by a shorter input (one sequence of a packed batch)."""
         middle = self.length - 1
-        return RelativePositions(column=self.column[middle - (length - 1) : middle + length], rows=self.rows)
+        return RelativePositions(
+            column=self.column[middle - (length - 1) : middle + length],
+            rows=self.rows,
+            near=self.near,
+            far_columns=self.far_columns,
+        )
 
     def dense(self, rows: slice = slice(None)) -> Tensor:
         """[len(rows), L] column of δ(i, j): the eager reference's index."""
@@ -148,22 +163,28 @@ class PositionScores:
         p2p = self.p2p[:, rel_index].unsqueeze(0) if self.p2p is not None else 0.0  # Qr[δ(i,j)] . Kr[δ(j,i)]
         return c2p + p2c + p2p
 
-    def bias_reversed_keys(self, p2c_reversed: Tensor | None, first: int, last: int) -> Tensor | float:
-        """The summed position terms for query rows [first, last), keys in reverse order: [B or 1, H, n, L].
+    def bias_reversed_keys(
+        self, p2c_reversed: Tensor | None, first: int, last: int, keys: slice | None = None
+    ) -> Tensor | float:
+        """The summed position terms for query rows [first, last), keys in reverse order: [B or 1, H, n, len(keys)].
 
         With j' = L - 1 - j the column of (i, j) is column[i + j'], a Hankel view: each gather reads one
-        contiguous window of its table row. `p2c_reversed` is p2c with its rows (keys) reversed.
+        contiguous window of its table row. `p2c_reversed` is p2c with its rows (keys) reversed; `keys` a
+        range of reversed keys (all by default).
         """
-        positions, length, n = self.positions, self.positions.length, last - first
+        positions, n = self.positions, last - first
+        keys = keys if keys is not None else slice(0, positions.length)
+        width = keys.stop - keys.start
         c2p = p2c = p2p = None
         if self.c2p is not None:  # q_i . Kr[δ(i,j)]: row i, column column[i + j']
             c2p_rows = self.c2p[:, :, first:last]
-            c2p = c2p_rows.gather(-1, positions.hankel(first, n, length).expand(*c2p_rows.shape[:2], n, length))
+            index = positions.hankel(first + keys.start, n, width)
+            c2p = c2p_rows.gather(-1, index.expand(*c2p_rows.shape[:2], n, width))
         if p2c_reversed is not None:  # k_j . Qr[δ(i,j)]: row j', column column[i + j'], built as [j', i]
-            index = positions.hankel(first, length, n).expand(*p2c_reversed.shape[:2], length, n)
-            p2c = p2c_reversed.gather(-1, index).mT
+            index = positions.hankel(first + keys.start, width, n).expand(*p2c_reversed.shape[:2], width, n)
+            p2c = p2c_reversed[:, :, keys].gather(-1, index).mT
         if self.p2p is not None:  # Qr[δ(i,j)] . Kr[δ(j,i)]
-            p2p = self.p2p[:, positions.hankel(first, n, length)].unsqueeze(0)
+            p2p = self.p2p[:, positions.hankel(first + keys.start, n, width)].unsqueeze(0)
         # c2p + p2c + p2p, summed in place into the first term's fresh buffer: one [.., n, L] block, not three
         terms = [term for term in (c2p, p2c, p2p) if term is not None]
         total = terms[0].contiguous() if terms[0] is not c2p else c2p
@@ -246,6 +267,21 @@ def sdpa_disentangled(
     key, value = key.flip(-2), value.flip(-2)  # j' = L - 1 - j
     mask = attention_mask.flip(-1) if attention_mask is not None else None
     p2c_reversed = position_scores.p2c.flip(-2) if position_scores.p2c is not None else None
+    tensors = (query, key, value, position_scores.c2p, position_scores.p2c)
+    inference = not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+    positions = position_scores.positions
+    cpu = query.device.type == "cpu"  # the log-sum-exp comes from the CPU flash kernel
+    if cpu and inference and dropout == 0 and position_scores.p2p is None and (mask is None or mask.shape[-2] == 1):
+        near_width = min(length, positions.near[1] - positions.near[0] + 1)
+        if near_width < length:  # keys beyond the buckets' reach in both directions: attention in three parts
+            step = max(1, min(length, block_elements // max(1, batch * heads * near_width)))
+            blocks = [
+                _attend_near_and_far(position_scores, p2c_reversed, query, key, value, mask, scaling, first, step)
+                for first in range(0, length, step)
+            ]
+            context = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
+            return context.transpose(1, 2), None
+
     step = max(1, min(length, block_elements // max(1, batch * heads * length)))
     blocks = []
     for first in range(0, length, step):
@@ -266,6 +302,61 @@ def sdpa_disentangled(
         )
     context = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
     return context.transpose(1, 2), None
+
+
+def _attend_near_and_far(
+    position_scores: PositionScores,
+    p2c_reversed: Tensor | None,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None,
+    scaling: float,
+    first: int,
+    step: int,
+) -> Tensor:
+    """Query rows [first, first + step) against reversed keys, in up to three parts merged by log-sum-exp.
+
+    Keys far enough left of every row (i - j >= near[1]) all read the same column, so there c2p is a constant
+    of the row and p2c a bias of the key only: plain attention with a [B, H, 1, keys] bias, the row constant
+    added to its log-sum-exp. The same holds far right (i - j <= near[0]). Only the keys in between, a band
+    about as wide as the buckets' reach, get a dense [B, H, rows, band] bias. Inference only: the
+    log-sum-exp output of the CPU flash kernel has no gradient.
+    """
+    positions = position_scores.positions
+    length, last = positions.length, min(first + step, positions.length)
+    (near_low, near_high), (far_low, far_high) = positions.near, positions.far_columns
+    left_end = min(length, max(0, first - near_high + 1))  # natural keys [0, left_end): i - j >= near[1]
+    right_start = max(left_end, min(length, last - 1 - near_low))  # natural keys [right_start, L): i - j <= near[0]
+    # In reversed order (j' = L - 1 - j): far right first, the band, then far left.
+    parts = []
+    for keys, column in (
+        (slice(0, length - right_start), far_low),
+        (slice(length - right_start, length - left_end), None),
+        (slice(length - left_end, length), far_high),
+    ):
+        if keys.stop <= keys.start:
+            continue
+        row_constant = 0.0
+        if column is None:  # the band: dense bias
+            bias = position_scores.bias_reversed_keys(p2c_reversed, first, last, keys).to(query.dtype)
+        else:  # c2p is q_i . Kr[column] for every key here, p2c is k_j . Qr[column]
+            if position_scores.c2p is not None:
+                row_constant = position_scores.c2p[:, :, first:last, column].float()  # [B, H, rows]
+            if p2c_reversed is not None:
+                bias = p2c_reversed[:, :, keys, column].unsqueeze(-2).to(query.dtype)  # [B, H, 1, keys]
+            else:
+                bias = query.new_zeros(1, 1, 1, keys.stop - keys.start)
+        if mask is not None:
+            bias = bias.masked_fill(~mask[..., keys], torch.finfo(query.dtype).min)
+        context, log_sum_exp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query[:, :, first:last], key[:, :, keys], value[:, :, keys], attn_mask=bias, scale=scaling
+        )
+        parts.append((context, log_sum_exp + row_constant))
+    if len(parts) == 1:
+        return parts[0][0]
+    total = torch.logsumexp(torch.stack([log_sum_exp for _, log_sum_exp in parts]), dim=0)
+    return sum(context * (log_sum_exp - total).exp().unsqueeze(-1).to(context.dtype) for context, log_sum_exp in parts)
 
 
 _compiled_flex = None
