@@ -23,7 +23,10 @@ into the small position projections). Then:
 - sdpa builds the bias one block of query rows at a time and hands it to
   `torch.nn.functional.scaled_dot_product_attention`. With the keys in reverse order (j' = L - 1 - j),
   i - j + L - 1 = i + j', so the index of a block is a stride-(1, 1) view of the [2L - 1] column vector
-  (a Hankel matrix): no index tensor is built, and the gathers read memory in order;
+  (a Hankel matrix): no index tensor is built, and the gathers read memory in order. In CPU inference,
+  keys beyond the buckets' reach (where the column stops changing) need no dense bias at all: c2p is a
+  constant of the row there and p2c a bias of the key, so those keys run as plain attention, merged with
+  the band by log-sum-exp (`_attend_near_and_far`);
 - flex_attention reads the tables inside a `score_mod`, so no [L, L] tensor exists at all.
 """
 

@@ -177,8 +177,9 @@ class DisentangledSelfAttention(nn.Module):
         if not (self.use_c2p or self.use_p2c or self.use_p2p):
             return None
         pos_key, pos_query = self.position_projections(rel_embeddings)  # [H, W, D]
-        c2p = query @ pos_key.mT if self.use_c2p else None  # [B, H, L, W]: q_i . Kr[r]
-        p2c = key @ pos_query.mT if self.use_p2c else None  # [B, H, L, W]: k_j . Qr[r]
+        # einsum runs one [B * L, D] x [D, W] product per head (a broadcast matmul would run B * H small ones)
+        c2p = torch.einsum("bhid,hrd->bhir", query, pos_key) if self.use_c2p else None  # [B, H, L, W]: q_i . Kr[r]
+        p2c = torch.einsum("bhjd,hrd->bhjr", key, pos_query) if self.use_p2c else None  # [B, H, L, W]: k_j . Qr[r]
         p2p = None
         if self.use_p2p:  # [H, 2S]: Qr[r] . Kr[mirror(r)], unscaled once more by the pos_key scaling
             mirrored = pos_key[:, mirror_columns(pos_key.shape[-2] // 2, pos_key.device)] / self.scaling

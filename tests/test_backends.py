@@ -187,3 +187,16 @@ def test_only_reachable_relative_rows_are_projected():
     positions = disentangled.DisentangledModel(config).encoder.get_rel_index(128, "cpu")
     assert positions.width == 255 and positions.column.shape == (255,)
     assert positions.column.dtype == torch.int64  # gather's index type; [2L - 1], never [L, L]
+
+
+@pytest.mark.parametrize("variant", ["v3", "clipped-distances", "c2p-only", "p2c-only"])
+def test_sdpa_inference_beyond_the_buckets_reach_matches_eager(variant):
+    """Long enough that keys far left and far right of a block attend without a dense bias (log-sum-exp merge)."""
+    reference = build("eager", **VARIANTS[variant])
+    sdpa = with_implementation(reference, "sdpa")
+    batch = padded_batch(100, [150, 97])
+    with torch.no_grad():
+        expected = reference(**batch).last_hidden_state
+        actual = sdpa(**batch).last_hidden_state
+    assert sdpa.encoder.get_rel_index(150, "cpu").near[1] < 100  # the far parts are exercised
+    assert max_abs_diff(actual, expected, batch["attention_mask"]) <= 1e-5 * max(1.0, expected.abs().max().item())
