@@ -224,6 +224,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--flex", action="store_true", help="also time compiled flex_attention (compiles per shape)")
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--no-eager", action="store_true", help="leave our eager reference out of the timings")
+    parser.add_argument("--layers", type=int, default=None, help="layers for every timing case (default 12; 2 at 4096)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--no-timing", action="store_true")
     parser.add_argument("--memory-cap-gib", type=float, default=16.0)
     parser.add_argument("--memory-lengths", type=int, nargs="*", default=[1024, 2048, 4096, 8192, 16384, 32768])
@@ -238,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     repeats = args.repeats or (1 if args.quick else 5)
     if args.quick:
         inference_cases = [(12, 8, 128), (12, 2, 512)]
@@ -245,9 +250,12 @@ def main(argv: list[str] | None = None) -> None:
     else:
         inference_cases = [(12, 8, 128), (12, 4, 512), (12, 1, 2048), (2, 1, 4096)]
         training_cases = [(12, 4, 128), (12, 2, 512)]
+    if args.layers:
+        inference_cases = [(args.layers, b, n) for _, b, n in inference_cases]
+        training_cases = [(args.layers, b, n) for _, b, n in training_cases]
     args.out.mkdir(parents=True, exist_ok=True)
     report = {
-        "command": "python -m benchmarks.run" + (" --quick" if args.quick else ""),
+        "command": "python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
         f" ({torch.get_num_threads()} threads), transformers {transformers.__version__}, float32",
         "inference": [],
@@ -257,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as folder:
         folder = Path(folder)
         if not args.no_timing:
-            backends = ["eager"] + (["flex_attention"] if args.flex else []) + ["sdpa"]
+            backends = ([] if args.no_eager else ["eager"]) + (["flex_attention"] if args.flex else []) + ["sdpa"]
             for training, cases in ((False, inference_cases), (True, training_cases)):
                 for layers, batch, length in cases:
                     names = [f"ours-{b}" for b in backends if not (training and b == "flex_attention")]
@@ -290,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
                     if not result["ok"]:
                         break  # longer inputs fail too
     names = (
-        ["ours-eager"]
+        ([] if args.no_eager else ["ours-eager"])
         + (["ours-flex_attention"] if args.flex else [])
         + ["ours-sdpa", "transformers-deberta", "bert-sdpa"]
     )
