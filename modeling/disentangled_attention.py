@@ -237,6 +237,7 @@ def eager_disentangled(
     return (probs @ value).transpose(1, 2), probs
 
 
+CPU_FLASH_WITH_LSE = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 SDPA_BLOCK_ELEMENTS = 1 << 20  # bias elements per query block (4 MiB in float32): bounded, and cache-sized
 
 
@@ -273,7 +274,7 @@ def sdpa_disentangled(
     tensors = (query, key, value, position_scores.c2p, position_scores.p2c)
     inference = not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
     positions = position_scores.positions
-    cpu = query.device.type == "cpu"  # the log-sum-exp comes from the CPU flash kernel
+    cpu = query.device.type == "cpu" and CPU_FLASH_WITH_LSE  # the log-sum-exp comes from the CPU flash kernel
     if cpu and inference and dropout == 0 and position_scores.p2p is None and (mask is None or mask.shape[-2] == 1):
         near_width = min(length, positions.near[1] - positions.near[0] + 1)
         if near_width < length:  # keys beyond the buckets' reach in both directions: attention in three parts
