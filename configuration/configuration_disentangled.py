@@ -182,10 +182,13 @@ class DisentangledConfig(PretrainedConfig):
                 raise ValueError(
                     f"position_buckets must be an integer (<= 0 disables buckets), got {position_buckets!r}"
                 )
-            if position_buckets > 0 and 0 < max_relative_positions <= position_buckets // 2:
+            reach = max_relative_positions if max_relative_positions > 0 else max_position_embeddings
+            if position_buckets > 0 and reach <= position_buckets // 2 + 1:  # log((reach - 1) / mid) must be > 0
+                source = "max_relative_positions" if max_relative_positions > 0 else "max_position_embeddings"
                 raise ValueError(
-                    f"max_relative_positions ({max_relative_positions}) must exceed position_buckets // 2 "
-                    f"({position_buckets // 2}) for log buckets; raise it or set max_relative_positions=-1"
+                    f"{source} ({reach}) must exceed position_buckets // 2 + 1 ({position_buckets // 2 + 1}) for "
+                    f"log buckets (max_relative_positions, or max_position_embeddings when it is -1); raise it or "
+                    "lower position_buckets"
                 )
 
         self.vocab_size = vocab_size

@@ -16,20 +16,40 @@ position-query row of the query's absolute position (span + i) against the posit
 Index convention: c2p and p2c both read the bucket of i - j. The paper writes p2c with δ(j, i), but the
 released checkpoints were trained with δ(i, j) (microsoft/DeBERTa #47, #162), and parity decides.
 
-The position terms are never stored as [L, L] per layer here: a layer hands its backend `PositionScores`,
-the c2p and p2c scores against every relative bucket ([B, H, L, 2S] tables, with the scaling already folded
-into the small position projections), plus the [L, L] bucket index that the whole forward shares. The eager
-backend gathers them into a dense bias; faster backends read the tables directly.
+What is never materialised: the position terms are not stored as [L, L] per layer, and no [L, L] index
+exists outside the eager reference. The encoder builds `RelativePositions` once per forward: the table
+column of each distance d = i - j ([2L - 1] entries) and the range of relative rows an L-token input can
+reach (255 rows for 128 tokens, not 2S = 512); only those rows are projected. A layer hands its backend
+`PositionScores`, the c2p and p2c scores against the reachable rows ([B, H, L, W] tables, the scaling folded
+into the small position projections). Then:
+
+- eager (the reference) gathers the tables into a dense [B, H, L, L] bias with an [L, L] index;
+- sdpa builds the bias one block of query rows at a time and hands it to
+  `torch.nn.functional.scaled_dot_product_attention`. With the keys in reverse order (j' = L - 1 - j),
+  i - j + L - 1 = i + j', so the index of a block is a stride-(1, 1) view of the [2L - 1] column vector
+  (a Hankel matrix): no index tensor is built, and the gathers read memory in order. In CPU inference,
+  keys beyond the buckets' reach (where the column stops changing) need no dense bias at all: c2p is a
+  constant of the row there and p2c a bias of the key, so those keys run as plain attention, merged with
+  the band by log-sum-exp (`_attend_near_and_far`);
+- flex_attention reads the tables inside a `score_mod`, so no [L, L] tensor exists at all.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
+
+from .validation import is_tracing
+
+try:  # torch >= 2.5; the Hub bundle must still import without it
+    from torch.nn.attention.flex_attention import flex_attention as _flex_attention
+except ImportError:  # pragma: no cover
+    _flex_attention = None
 
 
 def log_bucket(distance: Tensor, bucket_size: int, max_position: int) -> Tensor:
@@ -59,7 +79,7 @@ def relative_index_by_distance(length: int, span: int, bucket_size: int, max_pos
 
 
 def relative_index(length: int, span: int, bucket_size: int, max_position: int, device) -> Tensor:
-    """rel_index[i, j] = δ(i, j) + span: [L, L] int64, built once per forward for all layers."""
+    """rel_index[i, j] = δ(i, j) + span: [L, L] int64. Only for inspection; the model uses `RelativePositions`."""
     by_distance = relative_index_by_distance(length, span, bucket_size, max_position, device)
     positions = torch.arange(length, device=device)
     return by_distance[positions[:, None] - positions[None, :] + length - 1]
@@ -71,31 +91,133 @@ def gather_relative(by_offset: Tensor, rel_index: Tensor) -> Tensor:
 
 
 @dataclass
-class PositionScores:
-    """One layer's position terms, by relative bucket, scaled.
+class RelativePositions:
+    """Where each distance d = i - j of an L-token input reads the position tables; one per forward.
 
-    c2p[b, h, i, r] = q_i . Kr[r] * scaling and p2c[b, h, j, r] = k_j . Qr[r] * scaling ([B, H, L, 2S]);
-    p2p[h, r] = Qr[r] . Kr[mirror(r)] * scaling ([H, 2S]), where mirror(r) is the column of -δ. A term the
+    `rows` are the reachable rows of the 2S relative-embedding table (a contiguous range, since buckets are
+    monotone in d); `column[d + L - 1]` is δ(i, j) + span - rows.start, a column of a table over those rows.
+    `column` is int64 because `gather` takes no other index type; it has 2L - 1 entries, never L x L.
+    """
+
+    column: Tensor  # [2L - 1] int64
+    rows: slice  # of the 2S relative embeddings
+    # Beyond the log buckets' reach the column stops changing: it is `far_columns[0]` for every d <= near[0]
+    # and `far_columns[1]` for every d >= near[1]. Python ints, so that reading them costs no device sync.
+    near: tuple[int, int] = (0, 0)
+    far_columns: tuple[int, int] = (0, 0)
+
+    @classmethod
+    def build(cls, length: int, span: int, bucket_size: int, max_position: int, device) -> RelativePositions:
+        if is_tracing():  # no data-dependent Python values in a graph: all rows, and no far split (sdpa runs dense)
+            column = relative_index_by_distance(length, span, bucket_size, max_position, device)
+            return cls(column=column, rows=slice(0, 2 * span), near=(1 - length, length - 1), far_columns=(0, 0))
+        # Built on the CPU (a few thousand integers), so that the reachable range costs no device sync.
+        by_distance = relative_index_by_distance(length, span, bucket_size, max_position, "cpu")
+        first, last = by_distance.min().item(), by_distance.max().item()
+        column = by_distance - first
+        lowest, highest = column[0].item(), column[-1].item()
+        near = (
+            int((column == lowest).nonzero().max()) - (length - 1),  # the last distance that still reads `lowest`
+            int((column == highest).nonzero().min()) - (length - 1),  # the first distance that reads `highest`
+        )
+        return cls(column=column.to(device), rows=slice(first, last + 1), near=near, far_columns=(lowest, highest))
+
+    @property
+    def length(self) -> int:
+        return (self.column.shape[0] + 1) // 2
+
+    @property
+    def width(self) -> int:
+        return self.rows.stop - self.rows.start
+
+    def cut(self, length: int) -> RelativePositions:
+        """The same tables read by a shorter input (one sequence of a packed batch)."""
+        middle = self.length - 1
+        return RelativePositions(
+            column=self.column[middle - (length - 1) : middle + length],
+            rows=self.rows,
+            near=self.near,
+            far_columns=self.far_columns,
+        )
+
+    def distance(self, rows: slice = slice(None)) -> Tensor:
+        """[len(rows), L] index of the distance i - j into by-distance vectors: i - j + L - 1."""
+        length = self.length
+        positions = torch.arange(length, device=self.column.device)
+        return positions[rows, None] - positions[None, :] + length - 1
+
+    def dense(self, rows: slice = slice(None)) -> Tensor:
+        """[len(rows), L] column of δ(i, j): the eager reference's index."""
+        return self.column[self.distance(rows)]
+
+    def hankel(self, first: int, rows: int, columns: int) -> Tensor:
+        """index[a, b] = column[first + a + b], [rows, columns], a view (strides (1, 1)) of the column vector."""
+        return self.column.as_strided((rows, columns), (1, 1), self.column.storage_offset() + first)
+
+
+@dataclass
+class PositionScores:
+    """One layer's position terms against the reachable relative rows, scaled.
+
+    c2p[b, h, i, r] = q_i . Kr[r] * scaling and p2c[b, h, j, r] = k_j . Qr[r] * scaling ([B, H, L, W]);
+    p2p[h, d + L - 1] = Qr[δ(d)] . Kr[δ(-d)] * scaling for each distance d = i - j ([H, 2L - 1]: by distance, not
+    by bucket, since where distances are clipped one bucket of δ(i, j) meets two buckets of δ(j, i)). A term the
     config does not use is None.
     """
 
     c2p: Tensor | None
     p2c: Tensor | None
     p2p: Tensor | None
-    rel_index: Tensor  # [L, L] int64, δ(i, j) + span
+    positions: RelativePositions
 
     def bias(self, rows: slice = slice(None)) -> Tensor | float:
-        """The summed position terms for query rows `rows`: [B or 1, H, len(rows), L]."""
-        rel_index = self.rel_index[rows]
+        """The summed position terms for query rows `rows`: [B or 1, H, len(rows), L]. The reference."""
+        distance = self.positions.distance(rows)  # [len(rows), L]: i - j + L - 1
+        rel_index = self.positions.column[distance]  # [len(rows), L] columns of δ(i, j)
         c2p = gather_relative(self.c2p[:, :, rows], rel_index) if self.c2p is not None else 0.0  # q_i . Kr[δ(i,j)]
         p2c = gather_relative(self.p2c, rel_index.T).mT if self.p2c is not None else 0.0  # k_j . Qr[δ(i,j)]
-        p2p = self.p2p[:, rel_index].unsqueeze(0) if self.p2p is not None else 0.0  # Qr[δ(i,j)] . Kr[δ(j,i)]
+        p2p = self.p2p[:, distance].unsqueeze(0) if self.p2p is not None else 0.0  # Qr[δ(i,j)] . Kr[δ(j,i)]
         return c2p + p2c + p2p
 
+    def bias_reversed_keys(
+        self, p2c_reversed: Tensor | None, first: int, last: int, keys: slice | None = None
+    ) -> Tensor | float:
+        """The summed position terms for query rows [first, last), keys in reverse order: [B or 1, H, n, len(keys)].
 
-def mirror_columns(span: int, device) -> Tensor:
-    """Column of -δ for each column r of δ: the bucket table is odd, so it is 2S - r, clipped like r."""
-    return (2 * span - torch.arange(2 * span, device=device)).clamp(max=2 * span - 1)
+        With j' = L - 1 - j the column of (i, j) is column[i + j'], a Hankel view: each gather reads one
+        contiguous window of its table row. `p2c_reversed` is p2c with its rows (keys) reversed; `keys` a
+        range of reversed keys (all by default).
+        """
+        positions, n = self.positions, last - first
+        keys = keys if keys is not None else slice(0, positions.length)
+        width = keys.stop - keys.start
+        c2p = p2c = p2p = None
+        if self.c2p is not None:  # q_i . Kr[δ(i,j)]: row i, column column[i + j']
+            c2p_rows = self.c2p[:, :, first:last]
+            index = positions.hankel(first + keys.start, n, width)
+            c2p = c2p_rows.gather(-1, index.expand(*c2p_rows.shape[:2], n, width))
+        if p2c_reversed is not None:  # k_j . Qr[δ(i,j)]: row j', column column[i + j'], built as [j', i]
+            index = positions.hankel(first + keys.start, width, n).expand(*p2c_reversed.shape[:2], width, n)
+            p2c = p2c_reversed[:, :, keys].gather(-1, index).mT
+        if self.p2p is not None:  # Qr[δ(i,j)] . Kr[δ(j,i)]: distance index first + a + b, a view as well
+            offset = self.p2p.storage_offset() + first + keys.start
+            p2p = self.p2p.as_strided((self.p2p.shape[0], n, width), (self.p2p.stride(0), 1, 1), offset).unsqueeze(0)
+        # c2p + p2c + p2p, summed in place into the first term's fresh buffer: one [.., n, L] block, not three
+        terms = [term for term in (c2p, p2c, p2p) if term is not None]
+        total = terms[0].contiguous() if terms[0] is not c2p else c2p
+        for term in terms[1:]:
+            total = total.add_(term) if total.shape == torch.broadcast_shapes(total.shape, term.shape) else total + term
+        return total
+
+    def cut(self, first: int, last: int) -> PositionScores:
+        """The position terms of tokens [first, last) as an input of their own (one packed sequence)."""
+
+        def tokens(table: Tensor | None) -> Tensor | None:
+            return table[:, :, first:last] if table is not None else None
+
+        length, middle = last - first, self.positions.length - 1  # p2p is by distance: keep |d| < length
+        p2p = self.p2p[:, middle - (length - 1) : middle + length] if self.p2p is not None else None
+        return PositionScores(tokens(self.c2p), tokens(self.p2c), p2p, self.positions.cut(length))
 
 
 def _masked_scores(scores: Tensor, attention_mask: Tensor | None) -> Tensor:
@@ -127,6 +249,10 @@ def eager_disentangled(
     return (probs @ value).transpose(1, 2), probs
 
 
+CPU_FLASH_WITH_LSE = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+SDPA_BLOCK_ELEMENTS = 1 << 20  # bias elements per query block (4 MiB in float32): bounded, and cache-sized
+
+
 def sdpa_disentangled(
     module: torch.nn.Module,
     query: Tensor,
@@ -136,25 +262,191 @@ def sdpa_disentangled(
     scaling: float,
     dropout: float = 0.0,
     position_scores: PositionScores | None = None,
+    block_elements: int | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """`scaled_dot_product_attention` with the position terms (and the mask) as an additive float bias."""
-    bias = None
-    if position_scores is not None:
-        bias = position_scores.bias().to(query.dtype)
-    if attention_mask is not None:
-        bias = torch.zeros((), dtype=query.dtype, device=query.device) if bias is None else bias
-        bias = _masked_scores(bias.expand(*bias.shape[:2], query.shape[-2], key.shape[-2]), attention_mask)
-    context = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling)
-    context = context.transpose(1, 2)  # [B, L, H, D]
-    if torch.compiler.is_compiling():  # torch.export's decomposition of sdpa yields other strides than it traced
-        context = context.clone(memory_format=torch.contiguous_format)
-    return context, None
+    """`scaled_dot_product_attention` with the position terms (and the mask) as an additive float bias.
 
+    The bias exists one block of query rows at a time ([B, H, rows, L], at most `block_elements`); the keys
+    go in reverse order so that the block's index is a view (see `PositionScores.bias_reversed_keys`).
+    Attention is invariant to the order of the keys, so the result is unchanged.
+    """
+    batch, heads, length, _ = query.shape
+    block_elements = block_elements or SDPA_BLOCK_ELEMENTS
+    if position_scores is None or is_tracing():  # one dense bias: a graph compile and export can follow
+        bias = position_scores.bias().to(query.dtype) if position_scores is not None else None
+        if attention_mask is not None:  # finfo.min, not -inf: a fully masked row is uniform, as in eager
+            bias = torch.zeros((), dtype=query.dtype, device=query.device) if bias is None else bias
+            bias = _masked_scores(bias.expand(*bias.shape[:2], length, key.shape[-2]), attention_mask)
+        context = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling)
+        context = context.transpose(1, 2)  # [B, L, H, D]
+        if is_tracing():  # torch.export's decomposition of sdpa yields other strides than it traced
+            context = context.clone(memory_format=torch.contiguous_format)
+        return context, None
+
+    key, value = key.flip(-2), value.flip(-2)  # j' = L - 1 - j
+    mask = attention_mask.flip(-1) if attention_mask is not None else None
+    p2c_reversed = position_scores.p2c.flip(-2) if position_scores.p2c is not None else None
+    tensors = (query, key, value, position_scores.c2p, position_scores.p2c)
+    inference = not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+    positions = position_scores.positions
+    cpu = query.device.type == "cpu" and CPU_FLASH_WITH_LSE  # the log-sum-exp comes from the CPU flash kernel
+    if cpu and inference and dropout == 0 and position_scores.p2p is None and (mask is None or mask.shape[-2] == 1):
+        near_width = min(length, positions.near[1] - positions.near[0] + 1)
+        if near_width < length:  # keys beyond the buckets' reach in both directions: attention in three parts
+            step = max(1, min(length, block_elements // max(1, batch * heads * near_width)))
+            blocks = [
+                _attend_near_and_far(position_scores, p2c_reversed, query, key, value, mask, scaling, first, step)
+                for first in range(0, length, step)
+            ]
+            context = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
+            return context.transpose(1, 2), None
+
+    step = max(1, min(length, block_elements // max(1, batch * heads * length)))
+    blocks = []
+    for first in range(0, length, step):
+        last = min(first + step, length)
+        bias = position_scores.bias_reversed_keys(p2c_reversed, first, last).to(query.dtype)
+        if mask is not None:  # [B, 1, 1 | L, L] -> this block's rows
+            block_mask = ~(mask if mask.shape[-2] == 1 else mask[:, :, first:last])
+            if bias.shape == (batch, heads, last - first, length):
+                bias = bias.masked_fill_(block_mask, torch.finfo(query.dtype).min)
+            else:
+                bias = bias.expand(batch, heads, last - first, length).masked_fill(
+                    block_mask, torch.finfo(query.dtype).min
+                )
+        blocks.append(
+            F.scaled_dot_product_attention(
+                query[:, :, first:last], key, value, attn_mask=bias, dropout_p=dropout, scale=scaling
+            )
+        )
+    context = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
+    return context.transpose(1, 2), None
+
+
+def _attend_near_and_far(
+    position_scores: PositionScores,
+    p2c_reversed: Tensor | None,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None,
+    scaling: float,
+    first: int,
+    step: int,
+) -> Tensor:
+    """Query rows [first, first + step) against reversed keys, in up to three parts merged by log-sum-exp.
+
+    Keys far enough left of every row (i - j >= near[1]) all read the same column, so there c2p is a constant
+    of the row and p2c a bias of the key only: plain attention with a [B, H, 1, keys] bias, the row constant
+    added to its log-sum-exp. The same holds far right (i - j <= near[0]). Only the keys in between, a band
+    about as wide as the buckets' reach, get a dense [B, H, rows, band] bias. Inference only: the
+    log-sum-exp output of the CPU flash kernel has no gradient.
+    """
+    positions = position_scores.positions
+    length, last = positions.length, min(first + step, positions.length)
+    (near_low, near_high), (far_low, far_high) = positions.near, positions.far_columns
+    left_end = min(length, max(0, first - near_high + 1))  # natural keys [0, left_end): i - j >= near[1]
+    right_start = max(left_end, min(length, last - 1 - near_low))  # natural keys [right_start, L): i - j <= near[0]
+    # In reversed order (j' = L - 1 - j): far right first, the band, then far left.
+    parts = []
+    for keys, column in (
+        (slice(0, length - right_start), far_low),
+        (slice(length - right_start, length - left_end), None),
+        (slice(length - left_end, length), far_high),
+    ):
+        if keys.stop <= keys.start:
+            continue
+        row_constant = 0.0
+        if column is None:  # the band: dense bias
+            bias = position_scores.bias_reversed_keys(p2c_reversed, first, last, keys).to(query.dtype)
+        else:  # c2p is q_i . Kr[column] for every key here, p2c is k_j . Qr[column]
+            if position_scores.c2p is not None:
+                row_constant = position_scores.c2p[:, :, first:last, column].float()  # [B, H, rows]
+            if p2c_reversed is not None:
+                bias = p2c_reversed[:, :, keys, column].unsqueeze(-2).to(query.dtype)  # [B, H, 1, keys]
+            else:
+                bias = query.new_zeros(1, 1, 1, keys.stop - keys.start)
+        if mask is not None:
+            bias = bias.masked_fill(~mask[..., keys], torch.finfo(query.dtype).min)
+        context, log_sum_exp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query[:, :, first:last], key[:, :, keys], value[:, :, keys], attn_mask=bias, scale=scaling
+        )
+        parts.append((context, log_sum_exp + row_constant))
+    if len(parts) == 1:
+        return parts[0][0]
+    total = torch.logsumexp(torch.stack([log_sum_exp for _, log_sum_exp in parts]), dim=0)
+    return sum(context * (log_sum_exp - total).exp().unsqueeze(-1).to(context.dtype) for context, log_sum_exp in parts)
+
+
+_compiled_flex = None
+FLEX_COMPILED = True  # False runs flex_attention's dense reference of the same score_mod (tests)
+
+
+def compiled_flex_attention():
+    """`torch.compile(flex_attention)`, built on first use (building a module changes no global state)."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(_flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def flex_disentangled(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    position_scores: PositionScores | None = None,
+    compiled: bool | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """FlexAttention whose `score_mod` reads the [B, H, L, W] tables: memory linear in L, no [L, L] tensor.
+
+    Takes no dropout (the caller falls back to sdpa when it is needed). Uncompiled, flex_attention runs
+    the same `score_mod` densely, which the tests use to check it cheaply.
+    """
+    if dropout > 0:
+        raise ValueError("flex_disentangled takes no attention dropout")
+    length = query.shape[-2]
+    keep = None
+    if attention_mask is not None:  # [B, 1, 1 | L, L] bool
+        keep = attention_mask[:, 0, 0] if attention_mask.shape[-2] == 1 else attention_mask[:, 0]
+    masked = torch.finfo(query.dtype).min
+    c2p = p2c = p2p = None
+    column = None
+    if position_scores is not None:
+        c2p, p2c, p2p = position_scores.c2p, position_scores.p2c, position_scores.p2p
+        column = position_scores.positions.column
+
+    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        if column is not None:
+            r = column[q_idx - kv_idx + length - 1]  # δ(i, j)'s column
+            if c2p is not None:
+                score = score + c2p[b, h, q_idx, r]  # q_i . Kr[δ(i,j)]
+            if p2c is not None:
+                score = score + p2c[b, h, kv_idx, r]  # k_j . Qr[δ(i,j)]
+            if p2p is not None:
+                score = score + p2p[h, q_idx - kv_idx + length - 1]  # Qr[δ(i,j)] . Kr[δ(j,i)], by distance
+        if keep is not None:
+            allowed = keep[b, kv_idx] if keep.dim() == 2 else keep[b, q_idx, kv_idx]
+            score = torch.where(allowed, score, masked)
+        return score
+
+    compiled = FLEX_COMPILED if compiled is None else compiled
+    attend = compiled_flex_attention() if compiled else _flex_attention
+    context = attend(query, key, value, score_mod=score_mod, scale=scaling)
+    return context.transpose(1, 2), None
+
+
+FLEX_AVAILABLE = _flex_attention is not None
 
 DISENTANGLED_ATTENTION_FUNCTIONS = {
     "eager": eager_disentangled,
     "sdpa": sdpa_disentangled,
+    "flex_attention": flex_disentangled,
 }
 
 
@@ -166,6 +458,16 @@ def dense_position_bias(position_scores: PositionScores | None, attention_mask: 
     if attention_mask is not None:
         bias = torch.where(attention_mask, bias, torch.finfo(dtype).min)
     return bias.to(dtype)
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """A fallback warning, once per process and message."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 def head_scaling(head_dim: int, number_of_terms: int) -> float:

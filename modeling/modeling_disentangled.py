@@ -36,16 +36,18 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..configuration.configuration_disentangled import DisentangledConfig
 from .disentangled_attention import (
     DISENTANGLED_ATTENTION_FUNCTIONS,
+    FLEX_AVAILABLE,
     PositionScores,
+    RelativePositions,
     dense_position_bias,
     eager_disentangled,
     head_scaling,
-    mirror_columns,
-    relative_index,
+    warn_once,
 )
 from .validation import (
     IGNORE_INDEX,
     input_shape,
+    is_tracing,
     validate_classification_labels,
     validate_inputs,
     validate_labels,
@@ -58,6 +60,25 @@ except ImportError:  # transformers 4.57
     from torch.nn import init
 
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+
+
+def weights_key(*tensors: Tensor | None) -> tuple | None:
+    """What identifies the current values of some weights: storage and in-place version of each.
+
+    Every in-place update through autograd's view of a parameter (optimizer steps, `load_state_dict`,
+    `param.copy_` under no_grad) bumps `_version`; replacing a parameter or moving it changes the storage.
+    None when a version is unreadable (tensors created under inference_mode): then nothing is cached.
+    """
+    try:
+        return tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors if t is not None)
+    except RuntimeError:
+        return None
+
+
+def inference_cache_allowed(module: nn.Module) -> bool:
+    """Position tables depend on weights only; cache them when no graph and no dropout can depend on them, and
+    not while a compiler or exporter traces (module state written in a graph would guard and recompile)."""
+    return not module.training and not torch.is_grad_enabled() and not is_tracing()
 
 
 class DisentangledEmbeddings(nn.Module):
@@ -127,39 +148,82 @@ class DisentangledSelfAttention(nn.Module):
         # Checkpoints count every listed term in the scaling, also with relative_attention off.
         self.scaling = head_scaling(self.head_dim, 1 + len(terms))
         self.dropout_p = config.attention_probs_dropout_prob
+        self._position_cache: tuple | None = None  # inference only: (weights key, rel_embeddings, pos_key, pos_query)
 
     def heads(self, x: Tensor) -> Tensor:
         """[..., L, H * D] -> [..., H, L, D]."""
         return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(-3, -2)
 
-    def position_scores(
-        self, query: Tensor, key: Tensor, rel_embeddings: Tensor, rel_index: Tensor
-    ) -> PositionScores | None:
-        """c2p, p2c and p2p scores against each of the 2S relative buckets, scaled (see `PositionScores`)."""
-        if not (self.use_c2p or self.use_p2c or self.use_p2p):
-            return None
-        rel_embeddings = self.pos_dropout(rel_embeddings)  # [2S, hidden]
+    def position_projections(self, rel_embeddings: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """The relative rows projected by the key and query projections, scaled: [H, W, D] each.
+
+        In inference (eval mode, no grad) they depend on the weights only and are kept until a weight
+        changes (see `weights_key`); the encoder hands the same `rel_embeddings` tensor while its own weights
+        are unchanged, so that tensor's identity stands for them.
+        """
         key_proj = self.key_proj if self.share_att_key else getattr(self, "pos_key_proj", None)
         query_proj = self.query_proj if self.share_att_key else getattr(self, "pos_query_proj", None)
-        # The scaling goes into the small [H, 2S, D] tables, never into [L, L] tensors.
+        cache_key = None
+        if inference_cache_allowed(self):
+            weights = [key_proj.weight, key_proj.bias] if key_proj is not None else []
+            weights += [query_proj.weight, query_proj.bias] if query_proj is not None else []
+            cache_key = weights_key(*weights)
+            cached = self._position_cache
+            if cache_key is not None and cached is not None and cached[0] == cache_key and cached[1] is rel_embeddings:
+                return cached[2], cached[3]
+        rel_embeddings_in = rel_embeddings
+        rel_embeddings = self.pos_dropout(rel_embeddings)  # [W, hidden]
+        # The scaling goes into the small [H, W, D] tables, never into [L, L] tensors.
         pos_key = self.heads(key_proj(rel_embeddings)) * self.scaling if self.use_c2p or self.use_p2p else None
         pos_query = self.heads(query_proj(rel_embeddings)) * self.scaling if self.use_p2c or self.use_p2p else None
-        c2p = query @ pos_key.mT if self.use_c2p else None  # [B, H, L, 2S]: q_i . Kr[r]
-        p2c = key @ pos_query.mT if self.use_p2c else None  # [B, H, L, 2S]: k_j . Qr[r]
+        self._position_cache = (cache_key, rel_embeddings_in, pos_key, pos_query) if cache_key is not None else None
+        return pos_key, pos_query
+
+    def position_scores(
+        self, query: Tensor, key: Tensor, rel_embeddings: Tensor, positions: RelativePositions
+    ) -> PositionScores | None:
+        """c2p, p2c and p2p scores against each reachable relative row, scaled (see `PositionScores`)."""
+        if not (self.use_c2p or self.use_p2c or self.use_p2p):
+            return None
+        pos_key, pos_query = self.position_projections(rel_embeddings)  # [H, W, D]
+        # einsum runs one [B * L, D] x [D, W] product per head (a broadcast matmul would run B * H small ones)
+        c2p = torch.einsum("bhid,hrd->bhir", query, pos_key) if self.use_c2p else None  # [B, H, L, W]: q_i . Kr[r]
+        p2c = torch.einsum("bhjd,hrd->bhjr", key, pos_query) if self.use_p2c else None  # [B, H, L, W]: k_j . Qr[r]
         p2p = None
-        if self.use_p2p:  # [H, 2S]: Qr[r] . Kr[mirror(r)], unscaled once more by the pos_key scaling
-            mirrored = pos_key[:, mirror_columns(pos_key.shape[-2] // 2, pos_key.device)] / self.scaling
-            p2p = (pos_query * mirrored).sum(-1)
-        return PositionScores(c2p=c2p, p2c=p2c, p2p=p2p, rel_index=rel_index)
+        if self.use_p2p:  # [H, 2L - 1] by distance d: Qr[δ(d)] . Kr[δ(-d)], both tables scaled, so once unscaled
+            column = positions.column  # [2L - 1]; reversed, it is the column of -d
+            p2p = (pos_query[:, column] * pos_key[:, column.flip(0)]).sum(-1) / self.scaling
+        return PositionScores(c2p=c2p, p2c=p2c, p2p=p2p, positions=positions)
+
+    def backend(self, output_attentions: bool, query: Tensor) -> str:
+        """The configured attention implementation, or the one that can serve this call (warned once)."""
+        implementation = self.config._attn_implementation or "eager"
+        if output_attentions and implementation != "eager":
+            warn_once(f"{implementation} attention returns no probabilities; output_attentions=True runs eager")
+            return "eager"
+        if implementation == "flex_attention":
+            if not FLEX_AVAILABLE:
+                warn_once("flex_attention needs torch >= 2.5; running sdpa")
+                return "sdpa"
+            if self.training and self.dropout_p > 0:
+                warn_once("flex_attention takes no attention dropout; training with dropout runs sdpa")
+                return "sdpa"
+            if torch.is_grad_enabled() and query.device.type == "cpu":
+                warn_once("compiled flex_attention runs inference only on CPU; with gradients, running sdpa")
+                return "sdpa"
+        return implementation
 
     def forward(
         self,
         hidden_states: Tensor,
         rel_embeddings: Tensor | None,
         attention_mask: Tensor | None,
-        rel_index: Tensor | None,
+        rel_index: RelativePositions | None,
         output_attentions: bool = False,
+        cu_seqlens: tuple[int, ...] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
+        """`rel_index` is the forward's `RelativePositions`; `cu_seqlens` the bounds of packed sequences, where
+        `hidden_states` is [1, total tokens, hidden] and each sequence attends only to itself."""
         query = self.heads(self.query_proj(hidden_states))  # [B, H, L, D]
         key = self.heads(self.key_proj(hidden_states))
         value = self.heads(self.value_proj(hidden_states))
@@ -167,10 +231,18 @@ class DisentangledSelfAttention(nn.Module):
             self.position_scores(query, key, rel_embeddings, rel_index) if rel_embeddings is not None else None
         )
 
-        implementation = "eager" if output_attentions else self.config._attn_implementation
+        implementation = self.backend(output_attentions, query)
         dropout = self.dropout_p if self.training else 0.0
-        if implementation in DISENTANGLED_ATTENTION_FUNCTIONS or implementation is None:
-            attend = DISENTANGLED_ATTENTION_FUNCTIONS.get(implementation, eager_disentangled)
+        if implementation in DISENTANGLED_ATTENTION_FUNCTIONS:
+            attend = DISENTANGLED_ATTENTION_FUNCTIONS[implementation]
+        else:  # an implementation registered with transformers: position terms and mask as one dense bias
+            registered = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_disentangled)
+
+            def attend(module, query, key, value, attention_mask, scaling, dropout, position_scores):
+                bias = dense_position_bias(position_scores, attention_mask, query.dtype)
+                return registered(module, query, key, value, bias, scaling=scaling, dropout=dropout)
+
+        if cu_seqlens is None:
             context, probs = attend(
                 self,
                 query,
@@ -181,11 +253,22 @@ class DisentangledSelfAttention(nn.Module):
                 dropout=dropout,
                 position_scores=position_scores,
             )
-        else:  # an implementation registered with transformers: position terms and mask as one dense bias
-            attend = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_disentangled)
-            bias = dense_position_bias(position_scores, attention_mask, query.dtype)
-            context, probs = attend(self, query, key, value, bias, scaling=self.scaling, dropout=dropout)
-        return context.flatten(-2), probs  # [B, L, H * D]
+            return context.flatten(-2), probs  # [B, L, H * D]
+        contexts = []
+        for first, last in zip(cu_seqlens[:-1], cu_seqlens[1:]):  # one sequence at a time: no padding, no cross terms
+            tokens = slice(first, last)
+            context, _ = attend(
+                self,
+                query[:, :, tokens],
+                key[:, :, tokens],
+                value[:, :, tokens],
+                None,
+                scaling=self.scaling,
+                dropout=dropout,
+                position_scores=position_scores.cut(first, last) if position_scores is not None else None,
+            )
+            contexts.append(context)
+        return torch.cat(contexts, dim=1).flatten(-2), None  # [1, T, H * D]
 
 
 class DisentangledSelfOutput(nn.Module):
@@ -210,10 +293,13 @@ class DisentangledAttention(nn.Module):
         hidden_states: Tensor,
         rel_embeddings: Tensor | None,
         attention_mask: Tensor | None,
-        rel_index: Tensor | None,
+        rel_index: RelativePositions | None,
         output_attentions: bool = False,
+        cu_seqlens: tuple[int, ...] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        context, probs = self.self(hidden_states, rel_embeddings, attention_mask, rel_index, output_attentions)
+        context, probs = self.self(
+            hidden_states, rel_embeddings, attention_mask, rel_index, output_attentions, cu_seqlens
+        )
         return self.output(context, hidden_states), probs
 
 
@@ -253,11 +339,12 @@ class DisentangledLayer(GradientCheckpointingLayer):
         hidden_states: Tensor,
         rel_embeddings: Tensor | None,
         attention_mask: Tensor | None,
-        rel_index: Tensor | None,
+        rel_index: RelativePositions | None,
         output_attentions: bool = False,
+        cu_seqlens: tuple[int, ...] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         attention_output, probs = self.attention(
-            hidden_states, rel_embeddings, attention_mask, rel_index, output_attentions
+            hidden_states, rel_embeddings, attention_mask, rel_index, output_attentions, cu_seqlens
         )
         return self.output(self.intermediate(attention_output), attention_output), probs
 
@@ -295,20 +382,36 @@ class DisentangledEncoder(nn.Module):
             self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.conv = ConvLayer(config) if config.conv_kernel_size > 0 else None
         self.gradient_checkpointing = False
+        self._rel_cache: tuple | None = None  # inference only: (weights key, normalised rows)
 
-    def get_rel_embedding(self) -> Tensor | None:
-        """The 2S relative embeddings P, normalised once per forward for all layers."""
+    def get_rel_embedding(self, rows: slice = slice(None)) -> Tensor | None:
+        """The relative embeddings P (the rows `rows` of 2S), normalised once per forward for all layers.
+
+        LayerNorm works row by row, so normalising only the reachable rows gives the same rows. In inference
+        the result is kept while the weights are unchanged, and handed out as the same tensor, which lets the
+        layers keep their projections of it too.
+        """
         if not self.relative_attention:
             return None
-        rel_embeddings = self.rel_embeddings.weight
-        if hasattr(self, "LayerNorm"):
-            rel_embeddings = self.LayerNorm(rel_embeddings)
+        norm = getattr(self, "LayerNorm", None)
+        cache_key = None
+        if inference_cache_allowed(self):
+            weights = (self.rel_embeddings.weight,) + ((norm.weight, norm.bias) if norm is not None else ())
+            cache_key = weights_key(*weights)
+            cache_key = (rows.start, rows.stop, cache_key) if cache_key is not None else None
+            if cache_key is not None and self._rel_cache is not None and self._rel_cache[0] == cache_key:
+                return self._rel_cache[1]
+        rel_embeddings = self.rel_embeddings.weight[rows]
+        if norm is not None:
+            rel_embeddings = norm(rel_embeddings)
+        self._rel_cache = (cache_key, rel_embeddings) if cache_key is not None else None
         return rel_embeddings
 
-    def get_rel_index(self, length: int, device) -> Tensor | None:
+    def get_rel_index(self, length: int, device) -> RelativePositions | None:
+        """Each distance's table column and the reachable relative rows, once per forward for all layers."""
         if not self.relative_attention:
             return None
-        return relative_index(
+        return RelativePositions.build(
             length,
             span=self.span,
             bucket_size=self.config.position_buckets,
@@ -323,14 +426,22 @@ class DisentangledEncoder(nn.Module):
         input_mask: Tensor,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
+        cu_seqlens: tuple[int, ...] | None = None,
     ) -> BaseModelOutput:
-        rel_embeddings = self.get_rel_embedding()
-        rel_index = self.get_rel_index(hidden_states.shape[1], hidden_states.device)
+        """With `cu_seqlens`, `hidden_states` is [1, T, hidden]: packed sequences, bounds cu_seqlens[k:k + 2]."""
+        if cu_seqlens is None:
+            length = hidden_states.shape[1]
+        else:
+            length = max(last - first for first, last in zip(cu_seqlens[:-1], cu_seqlens[1:]))
+        rel_index = self.get_rel_index(length, hidden_states.device)
+        rel_embeddings = self.get_rel_embedding(rel_index.rows) if rel_index is not None else None
         embeddings = hidden_states
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
         for i, layer in enumerate(self.layer):
-            hidden_states, probs = layer(hidden_states, rel_embeddings, attention_mask, rel_index, output_attentions)
+            hidden_states, probs = layer(
+                hidden_states, rel_embeddings, attention_mask, rel_index, output_attentions, cu_seqlens
+            )
             if i == 0 and self.conv is not None:
                 hidden_states = self.conv(embeddings, hidden_states, input_mask)
             if output_hidden_states:
@@ -348,7 +459,7 @@ class DisentangledPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["DisentangledEmbeddings", "DisentangledLayer"]
     _supports_sdpa = True
-    _supports_flex_attn = False
+    _supports_flex_attn = True  # a model-local score_mod reads the position tables (disentangled_attention.py)
     _supports_flash_attn = False  # flash kernels take no arbitrary additive bias, and the position terms are one
     _supports_attention_backend = True
     # The heads average their loss over the batch themselves and ignore `num_items_in_batch`; without this, Trainer
@@ -393,15 +504,32 @@ class DisentangledModel(DisentangledPreTrainedModel):
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
         return_dict = return_dict if return_dict is not None else self.config.return_dict
+        cu_seqlens = packed_bounds(kwargs)
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        if cu_seqlens is not None and tokens is not None:  # packed: [1, T], no padding, each sequence to itself
+            if (
+                tokens.shape[0] != 1
+                or cu_seqlens[-1] != tokens.shape[1]
+                or (attention_mask is not None and not attention_mask.all())
+            ):
+                raise ValueError("packed sequences are one row of tokens, [1, cu_seqlens[-1]], without padding")
+            if self.config.conv_kernel_size > 0:
+                raise ValueError("packed sequences do not support the convolution layer (conv_kernel_size > 0); pad")
+            if position_ids is None and self.config.position_biased_input:  # positions restart with each sequence
+                position_ids = packed_position_ids(cu_seqlens, tokens.device)
+            attention_mask = None
         validate_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
         device = input_ids.device if input_ids is not None else inputs_embeds.device
         if attention_mask is None:
-            attention_mask = torch.ones(shape, dtype=torch.long, device=device)
-        input_mask, pair_mask = self._masks(attention_mask, shape)
+            input_mask, pair_mask = torch.ones(shape, dtype=torch.bool, device=device), None
+        else:
+            input_mask, pair_mask = self._masks(attention_mask, shape)
 
         embeddings = self.embeddings(input_ids, token_type_ids, position_ids, input_mask, inputs_embeds)
-        outputs = self.encoder(embeddings, pair_mask, input_mask, output_hidden_states, output_attentions)
+        outputs = self.encoder(
+            embeddings, pair_mask, input_mask, output_hidden_states, output_attentions, cu_seqlens=cu_seqlens
+        )
         if not return_dict:
             return tuple(
                 v for v in (outputs.last_hidden_state, outputs.hidden_states, outputs.attentions) if v is not None
@@ -409,10 +537,12 @@ class DisentangledModel(DisentangledPreTrainedModel):
         return outputs
 
     @staticmethod
-    def _masks(attention_mask: Tensor, shape: torch.Size) -> tuple[Tensor, Tensor]:
+    def _masks(attention_mask: Tensor, shape: torch.Size) -> tuple[Tensor, Tensor | None]:
         """[B, L] token mask and the boolean mask the backends take: [B, 1, 1, L] keys, or [B, 1, L, L] pairs."""
         if attention_mask.dim() == 2:
             input_mask = attention_mask != 0
+            if not is_tracing() and input_mask.all():  # nothing to mask: the backends skip the masking work
+                return input_mask, None
             return input_mask, input_mask[:, None, None, :]
         pair_mask = attention_mask != 0  # [B, L, L]
         return pair_mask.any(-2), pair_mask[:, None]
@@ -423,6 +553,25 @@ def _cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_IN
     with no masked token must not turn the gradients into NaN)."""
     losses = CrossEntropyLoss(reduction="none", ignore_index=ignore_index)(logits, labels)  # 0 where ignored
     return losses.sum() / (labels != ignore_index).sum().clamp(min=1)
+
+
+def packed_bounds(kwargs: dict) -> tuple[int, ...] | None:
+    """The bounds of packed sequences, from `cu_seqlens` or transformers' flattening collator
+    (`DataCollatorWithFlattening(return_flash_attn_kwargs=True)` passes `cu_seq_lens_q`), as Python ints."""
+    bounds = kwargs.get("cu_seqlens", kwargs.get("cu_seq_lens_q"))
+    if bounds is None:
+        return None
+    bounds = tuple(int(b) for b in (bounds.tolist() if isinstance(bounds, Tensor) else bounds))
+    if bounds[0] != 0 or any(last <= first for first, last in zip(bounds[:-1], bounds[1:])):
+        raise ValueError(f"cu_seqlens must start at 0 and increase strictly, got {bounds}")
+    return bounds
+
+
+def packed_position_ids(cu_seqlens: tuple[int, ...], device) -> Tensor:
+    """Positions that restart at 0 with every packed sequence: [1, T]."""
+    return torch.cat(
+        [torch.arange(last - first, device=device) for first, last in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    )[None]
 
 
 def _loss_for_classification(config: DisentangledConfig, logits: Tensor, labels: Tensor) -> Tensor:
@@ -595,6 +744,7 @@ class DisentangledForMaskedLM(DisentangledPreTrainedModel):
             output_attentions,
             output_hidden_states,
             return_dict=True,
+            **kwargs,  # packed sequences: cu_seqlens, or the flattening collator's cu_seq_lens_q
         )
         sequence_output = outputs.last_hidden_state
         if self.legacy:
@@ -680,6 +830,7 @@ class DisentangledForTokenClassification(DisentangledPreTrainedModel):
             output_attentions,
             output_hidden_states,
             return_dict=True,
+            **kwargs,  # packed sequences: cu_seqlens, or the flattening collator's cu_seq_lens_q
         )
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None

@@ -73,7 +73,7 @@ def configs(draw) -> DisentangledConfig:
     terms = draw(st.lists(st.sampled_from(["c2p", "p2c", "p2p"]), unique=True, max_size=3))
     buckets = draw(st.sampled_from([-1, 4, 8]))
     if buckets > 0:
-        max_relative = draw(st.sampled_from([-1, buckets // 2 + 1, 64]))
+        max_relative = draw(st.sampled_from([-1, buckets // 2 + 2, 64]))  # the smallest valid reach
     else:
         max_relative = draw(st.sampled_from([-1, 3, 16]))
     conv = draw(st.sampled_from([0, 0, 3]))

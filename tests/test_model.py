@@ -52,7 +52,7 @@ def test_auto_classes_round_trip(tmp_path, auto_class):
         batch = {k: v.unsqueeze(0) for k, v in batch.items()}
     with torch.no_grad():
         expected, actual = first_output(model.eval()(**batch)), first_output(loaded.eval()(**batch))
-    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6)
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
 

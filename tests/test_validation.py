@@ -35,6 +35,8 @@ MODELS: dict[str, torch.nn.Module] = {}
 def model(name: str = "DisentangledModel", **overrides) -> torch.nn.Module:
     key = name + repr(sorted(overrides.items()))
     if key not in MODELS:
+        if name == "DisentangledForQuestionAnswering":  # start and end logits
+            overrides = {"num_labels": 2, **overrides}
         MODELS[key] = getattr(disentangled, name)(tiny_config(**overrides)).eval()
     return MODELS[key]
 

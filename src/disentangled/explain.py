@@ -8,8 +8,6 @@ term by term, from the attention modules' own weights and the hidden states the 
     c2p = q_i . Kr[δ(i, j)]           Kr = P Wk_p  (Wk_p = Wk_c with share_att_key)
     p2c = k_j . Qr[δ(i, j)]           Qr = P Wq_p  (Wq_p = Wq_c with share_att_key)
     p2p = Qr[δ(i, j)] . Kr[δ(j, i)]   only when pos_att_type lists "p2p"; no released checkpoint does
-                                      (where i - j is clipped to the span, the model's own p2p reads Kr at
-                                      -δ(i, j) instead; `explain_attention` warns when a text gets there)
 
 δ(i, j) is the relative distance i - j, log-bucketed (v2/v3) or clipped (v1), as the model buckets it; both c2p
 and p2c read δ(i, j), as the released checkpoints were trained. A_ij is the score the model's eager attention
@@ -39,7 +37,6 @@ import argparse
 import json
 import math
 import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,13 +142,6 @@ def explain_attention(model: torch.nn.Module, **inputs: Tensor) -> AttentionTerm
         batch, length = hidden_states[0].shape[:2]
         valid = valid_pairs(inputs.get("attention_mask"), batch, length, hidden_states[0].device)
         column, delta = relative_columns(config, length, hidden_states[0].device)
-        if config.relative_attention and "p2p" in config.pos_att_type and reaches_clipping(config, length):
-            warnings.warn(
-                f"{length} tokens reach relative distances beyond the span of {config.relative_span} buckets: "
-                "for those pairs the model's p2p reads Kr at -δ(i, j) instead of δ(j, i), and the p2p term here "
-                "(the formula) differs from the model's score",
-                stacklevel=2,
-            )
         layers = []
         for index, layer in enumerate(encoder.layer):
             attention = layer.attention.self
@@ -206,14 +196,6 @@ def relative_columns(config, length: int, device) -> tuple[Tensor | None, Tensor
         distance = log_bucket(distance, config.position_buckets, config.max_relative_distance)
     column = (distance + span).clamp(0, 2 * span - 1)
     return column, column - span
-
-
-def reaches_clipping(config, length: int) -> bool:
-    """Whether the largest distance i - j = length - 1 buckets to span or more (and is clipped to span - 1)."""
-    longest = torch.tensor(length - 1)
-    if config.position_buckets > 0:
-        longest = log_bucket(longest, config.position_buckets, config.max_relative_distance)
-    return int(longest) >= config.relative_span
 
 
 def layer_terms(

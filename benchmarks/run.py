@@ -1,0 +1,326 @@
+"""Speed and memory of our backends against transformers' DeBERTa-v2 and a same-size BERT with sdpa.
+
+    python -m benchmarks.run            # the full run behind README.md's Performance table (about an hour on 2 cores)
+    python -m benchmarks.run --quick    # about a minute: small shapes, one repeat, no memory sweep
+
+Everything is DeBERTa-v3-base-shaped (hidden 768, 12 heads, 3072 intermediate, 256 position buckets, random
+weights, float32). Our model is loaded from transformers' `DebertaV2Model` checkpoint folder, so both run the
+same weights. Models run interleaved (one call of each, repeated), and the table reports medians and the
+ratio of each to BERT-sdpa and to transformers' DeBERTa, measured in the same run. Peak memory is measured in a
+fresh subprocess per (model, length) under an address-space cap, forward only, 1 layer, batch 1
+(flex_attention: compile included).
+Writes benchmarks/results/benchmark.json and benchmarks/results/memory.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+import disentangled
+
+RESULTS = Path(__file__).parent / "results"
+V3_BASE = dict(
+    vocab_size=32000,  # the embedding lookup costs nothing; a smaller table keeps four models in memory
+    hidden_size=768,
+    num_attention_heads=12,
+    intermediate_size=3072,
+    relative_attention=True,
+    max_relative_positions=-1,
+    position_buckets=256,
+    norm_rel_ebd="layer_norm",
+    share_att_key=True,
+    pos_att_type="p2c|c2p",
+    position_biased_input=False,
+    type_vocab_size=0,
+    layer_norm_eps=1e-7,
+    max_position_embeddings=512,
+    hidden_act="gelu",
+    pad_token_id=0,
+)
+
+
+def build_bert(layers: int) -> transformers.BertModel:
+    """A BERT of the same size, plain attention through sdpa, positions for 32k tokens."""
+    config = transformers.BertConfig(
+        vocab_size=V3_BASE["vocab_size"],
+        hidden_size=768,
+        num_hidden_layers=layers,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        max_position_embeddings=4096 * 8 + 2,
+    )
+    config._attn_implementation = "sdpa"
+    bert = transformers.BertModel(config, add_pooling_layer=False)
+    assert bert.config._attn_implementation == "sdpa"
+    return bert
+
+
+def build_models(layers: int, folder: Path, backends: list[str], training: bool) -> dict[str, torch.nn.Module]:
+    """transformers' DebertaV2Model, ours on its weights (one per backend), and a same-size BertModel with sdpa."""
+    torch.manual_seed(0)
+    config = transformers.DebertaV2Config(**V3_BASE, num_hidden_layers=layers)
+    reference = transformers.DebertaV2Model(config)
+    reference.save_pretrained(folder)
+    transformers.logging.set_verbosity_error()  # "a model of type deberta-v2 to instantiate ... disentangled" is expected
+    ours = disentangled.DisentangledModel.from_pretrained(folder, attn_implementation="eager")
+    bert = build_bert(layers)
+    models = {}
+    for backend in backends:
+        model = ours if backend == backends[-1] else copy.deepcopy(ours)
+        model.set_attn_implementation(backend)
+        models[f"ours-{backend}"] = model
+    models["transformers-deberta"] = reference
+    models["bert-sdpa"] = bert
+    for model in models.values():
+        model.train(training)
+    return models
+
+
+def inputs_for(batch: int, length: int, padded: bool) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(length)
+    input_ids = torch.randint(1, V3_BASE["vocab_size"], (batch, length), generator=generator)
+    attention_mask = torch.ones(batch, length, dtype=torch.long)
+    if padded and batch > 1:  # the last row is 3/4 long, so masks are exercised
+        attention_mask[-1, (3 * length) // 4 :] = 0
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def time_once(model, inputs, training: bool) -> float:
+    start = time.perf_counter()
+    if training:
+        model.zero_grad(set_to_none=True)
+        model(**inputs).last_hidden_state.square().mean().backward()
+    else:
+        with torch.inference_mode():
+            model(**inputs)
+    return time.perf_counter() - start
+
+
+def timing_case(models, batch: int, length: int, training: bool, repeats: int, warmup: int) -> dict[str, float]:
+    """Median seconds per call for every model, interleaved: warm-up calls, then `repeats` rounds of one call each."""
+    inputs = inputs_for(batch, length, padded=True)
+    times = {name: [] for name in models}
+    for _ in range(warmup):
+        for model in models.values():
+            time_once(model, inputs, training)
+    for _ in range(repeats):
+        for name, model in models.items():
+            times[name].append(time_once(model, inputs, training))
+        gc.collect()
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def current_rss_gib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def memory_child(model_name: str, length: int, folder: str) -> None:
+    """Subprocess: load one 1-layer model, run one forward, print JSON with the peak resident memory."""
+    transformers.logging.set_verbosity_error()
+    if model_name == "transformers-deberta":
+        model = transformers.DebertaV2Model.from_pretrained(folder)
+    elif model_name == "bert-sdpa":
+        model = build_bert(1)
+    else:
+        backend = model_name.removeprefix("ours-")
+        model = disentangled.DisentangledModel.from_pretrained(folder, attn_implementation=backend)
+    model.eval()
+    gc.collect()
+    inputs = inputs_for(1, length, padded=False)
+    baseline = current_rss_gib()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model(**inputs)
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB
+    print(json.dumps({"peak_gib": peak, "baseline_gib": baseline, "seconds": seconds}))
+
+
+def memory_case(model_name: str, length: int, cap_gib: float, folder: Path, timeout: float) -> dict:
+    command = [sys.executable, "-m", "benchmarks.run", "--memory-child", model_name, str(length), str(folder)]
+
+    def cap():
+        limit = int(cap_gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, preexec_fn=cap, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "why": f"over {timeout:.0f} s"}
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["?"])[-1]
+        return {"ok": False, "why": tail[:160]}
+    return {"ok": True, **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+def markdown_timing_table(rows: list[dict], names: list[str]) -> str:
+    lines = [
+        "| case | " + " | ".join(names) + " | ours-sdpa / bert | transformers / ours-sdpa |",
+        "|---" * (len(names) + 3) + "|",
+    ]
+    for row in rows:
+        cells = [f"{row['times'][n]:.3f} s" if n in row["times"] else "-" for n in names]
+        ours, bert, theirs = row["times"]["ours-sdpa"], row["times"]["bert-sdpa"], row["times"]["transformers-deberta"]
+        lines.append(f"| {row['case']} | " + " | ".join(cells) + f" | {ours / bert:.2f} | {theirs / ours:.2f}x |")
+    return "\n".join(lines)
+
+
+def markdown_memory_table(memory: dict[str, dict[int, dict]], lengths: list[int]) -> str:
+    lines = ["| model | " + " | ".join(f"{n:,}" for n in lengths) + " |", "|---" * (len(lengths) + 1) + "|"]
+    for name, by_length in memory.items():
+        cells = []
+        for n in lengths:
+            result = by_length.get(n)
+            if result is None:
+                cells.append("-")
+            elif result["ok"]:
+                cells.append(f"{result['peak_gib'] - result['baseline_gib']:.2f} GiB ({result['seconds']:.1f} s)")
+            else:
+                cells.append("fails")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(memory: dict[str, dict[int, dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for name, by_length in memory.items():
+        points = sorted((n, r["peak_gib"] - r["baseline_gib"]) for n, r in by_length.items() if r["ok"])
+        if points:
+            axis.plot(*zip(*points), marker="o", label=name)
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel("tokens (batch 1, 1 layer)")
+    axis.set_ylabel("peak memory over the loaded model (GiB)")
+    axis.legend()
+    axis.grid(True, which="both", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a one-minute version: small shapes, no memory sweep")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--flex", action="store_true", help="also time compiled flex_attention (compiles per shape)")
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--no-eager", action="store_true", help="leave our eager reference out of the timings")
+    parser.add_argument("--layers", type=int, default=None, help="layers for every timing case (default 12; 2 at 4096)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--no-timing", action="store_true")
+    parser.add_argument("--memory-cap-gib", type=float, default=16.0)
+    parser.add_argument("--memory-lengths", type=int, nargs="*", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--memory-models", nargs="*", default=None)
+    parser.add_argument("--memory-timeout", type=float, default=900.0)
+    parser.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.memory_child:
+        name, length, folder = args.memory_child
+        memory_child(name, int(length), folder)
+        return
+
+    torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    repeats = args.repeats or (1 if args.quick else 5)
+    if args.quick:
+        inference_cases = [(12, 8, 128), (12, 2, 512)]
+        training_cases = [(12, 2, 128)]
+    else:
+        inference_cases = [(12, 8, 128), (12, 4, 512), (12, 1, 2048), (2, 1, 4096)]
+        training_cases = [(12, 4, 128), (12, 2, 512)]
+    if args.layers:
+        inference_cases = [(args.layers, b, n) for _, b, n in inference_cases]
+        training_cases = [(args.layers, b, n) for _, b, n in training_cases]
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "command": "python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
+        f" ({torch.get_num_threads()} threads), transformers {transformers.__version__}, float32",
+        "inference": [],
+        "training": [],
+        "memory": {},
+    }
+    with tempfile.TemporaryDirectory() as folder:
+        folder = Path(folder)
+        if not args.no_timing:
+            backends = ([] if args.no_eager else ["eager"]) + (["flex_attention"] if args.flex else []) + ["sdpa"]
+            for training, cases in ((False, inference_cases), (True, training_cases)):
+                for layers, batch, length in cases:
+                    names = [f"ours-{b}" for b in backends if not (training and b == "flex_attention")]
+                    models = build_models(
+                        layers, folder / f"l{layers}", [n.removeprefix("ours-") for n in names], training
+                    )
+                    times = timing_case(models, batch, length, training, repeats, warmup=1)
+                    row = {
+                        "case": f"{'train' if training else 'infer'} {batch}x{length} ({layers} layers)",
+                        "times": times,
+                    }
+                    report["training" if training else "inference"].append(row)
+                    print(row, flush=True)
+                    del models
+                    gc.collect()
+        if not args.quick and not args.no_memory:
+            model_names = args.memory_models or [
+                "ours-sdpa",
+                "ours-flex_attention",
+                "transformers-deberta",
+                "bert-sdpa",
+            ]
+            build_models(1, folder / "memory", [], False)  # the checkpoint folder the children load
+            for name in model_names:
+                report["memory"][name] = {}
+                for length in args.memory_lengths:
+                    result = memory_case(name, length, args.memory_cap_gib, folder / "memory", args.memory_timeout)
+                    report["memory"][name][length] = result
+                    print(name, length, result, flush=True)
+                    if not result["ok"]:
+                        break  # longer inputs fail too
+    names = (
+        ([] if args.no_eager else ["ours-eager"])
+        + (["ours-flex_attention"] if args.flex else [])
+        + ["ours-sdpa", "transformers-deberta", "bert-sdpa"]
+    )
+    text = [f"`{report['command']}` on {report['machine']}; median of {repeats} interleaved runs.", ""]
+    if report["inference"] or report["training"]:
+        text += [markdown_timing_table(report["inference"] + report["training"], names), ""]
+    if report["memory"]:
+        text += [
+            f"Peak memory over the loaded model, 1 layer, batch 1, forward, cap {args.memory_cap_gib:g} GiB "
+            "(seconds for the forward in brackets):",
+            "",
+            markdown_memory_table(report["memory"], args.memory_lengths),
+            "",
+        ]
+        plot(report["memory"], args.out / "memory.png")
+    report["markdown"] = "\n".join(text)
+    name = (
+        "benchmark-quick" if args.quick else "memory" if args.no_timing else "timing" if args.no_memory else "benchmark"
+    )
+    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2))
+    print(report["markdown"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Every attention backend against the eager reference: outputs, gradients, padded and packed batches, caches.
+
+sdpa runs with a small block budget, so that the query-blocked bias is exercised over several blocks. FlexAttention
+has no CPU backward and compiles for about a minute on a CI CPU, so its default check runs flex_attention's dense
+reference of the same `score_mod` (inference); `DISENTANGLED_TEST_COMPILE=1` adds the compiled kernel.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+from parity import check_parity, inflate_weights, max_abs_diff, padded_batch
+
+import disentangled
+from disentangled.modeling import disentangled_attention as backends
+
+TINY = dict(
+    vocab_size=100,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    position_buckets=16,  # log buckets from |d| >= 8 on, so short inputs reach them
+    max_relative_positions=64,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
+VARIANTS = {
+    "v3": {},
+    "separate-position-projections": dict(share_att_key=False),
+    "c2p-only": dict(pos_att_type="c2p"),
+    "p2c-only": dict(pos_att_type="p2c"),
+    "p2p": dict(pos_att_type="c2p|p2c|p2p"),
+    "clipped-distances": dict(position_buckets=-1, max_relative_positions=8),
+    "no-relative-attention": dict(relative_attention=False, pos_att_type=None),
+}
+LENGTHS = [40, 23, 31]
+
+
+def build(implementation: str, **overrides) -> disentangled.DisentangledModel:
+    config = disentangled.DisentangledConfig(**dict(TINY, **overrides))
+    torch.manual_seed(0)
+    model = disentangled.DisentangledModel(config)
+    inflate_weights(model)
+    model.set_attn_implementation(implementation)
+    return model.eval()
+
+
+def with_implementation(model, implementation: str):
+    other = copy.deepcopy(model)
+    other.set_attn_implementation(implementation)
+    return other
+
+
+@pytest.fixture(autouse=True)
+def small_sdpa_blocks(monkeypatch):
+    monkeypatch.setattr(backends, "SDPA_BLOCK_ELEMENTS", 3 * 4 * 40 * 7)  # 7 query rows per block
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_sdpa_matches_eager_outputs_and_gradients(variant):
+    reference = build("eager", **VARIANTS[variant])
+    check_parity(reference, with_implementation(reference, "sdpa"), "Model", padded_batch(100, LENGTHS))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_flex_score_mod_matches_eager(monkeypatch, variant):
+    monkeypatch.setattr(backends, "FLEX_COMPILED", False)
+    reference = build("eager", **VARIANTS[variant])
+    flex = with_implementation(reference, "flex_attention")
+    batch = padded_batch(100, LENGTHS)
+    with torch.no_grad():
+        expected = reference(**batch).last_hidden_state
+        actual = flex(**batch).last_hidden_state
+    assert max_abs_diff(actual, expected, batch["attention_mask"]) <= 1e-5 * max(1.0, expected.abs().max().item())
+
+
+@pytest.mark.skipif(os.environ.get("DISENTANGLED_TEST_COMPILE") != "1", reason="compiles for about a minute")
+def test_compiled_flex_matches_eager():
+    reference = build("eager")
+    flex = with_implementation(reference, "flex_attention")
+    batch = padded_batch(100, LENGTHS)
+    with torch.no_grad():
+        expected = reference(**batch).last_hidden_state
+        actual = flex(**batch).last_hidden_state
+    assert max_abs_diff(actual, expected, batch["attention_mask"]) <= 1e-5 * max(1.0, expected.abs().max().item())
+
+
+def test_flex_falls_back_to_sdpa_for_gradients_on_cpu():
+    model = build("flex_attention")
+    batch = padded_batch(100, LENGTHS)
+    backends._warned.clear()
+    with pytest.warns(UserWarning, match="flex_attention"):
+        model(**batch).last_hidden_state.sum().backward()
+
+
+def test_output_attentions_falls_back_to_eager_once():
+    model = build("sdpa")
+    batch = padded_batch(100, LENGTHS)
+    backends._warned.clear()
+    with pytest.warns(UserWarning, match="output_attentions"):
+        output = model(**batch, output_attentions=True)
+    assert len(output.attentions) == 2 and output.attentions[0].shape == (3, 4, 40, 40)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(**batch, output_attentions=True)
+
+
+def packed(batch: dict) -> tuple[dict, torch.Tensor]:
+    lengths = batch["attention_mask"].sum(-1)
+    tokens = batch["input_ids"][batch["attention_mask"].bool()][None]  # [1, T]
+    return {"input_ids": tokens, "cu_seqlens": torch.cat([torch.zeros(1), lengths.cumsum(0)]).long()}, lengths
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("variant", ["v3", "absolute-positions"])
+def test_packed_batch_matches_padded(implementation, variant):
+    overrides = dict(position_biased_input=True, max_position_embeddings=64) if variant == "absolute-positions" else {}
+    padded_model = build("eager", **overrides)
+    packed_model = with_implementation(padded_model, implementation)
+    batch = padded_batch(100, LENGTHS)
+    inputs, _ = packed(batch)
+    real = batch["attention_mask"].bool()
+
+    expected = padded_model(**batch).last_hidden_state
+    actual = packed_model(**inputs).last_hidden_state  # [1, T, hidden]
+    assert actual.shape == (1, int(real.sum()), 32)
+    assert max_abs_diff(actual[0], expected[real]) <= 1e-5 * max(1.0, expected.abs().max().item())
+
+    weights = torch.linspace(-1, 1, actual.numel()).view_as(actual[0])
+    (expected[real] * weights).sum().backward()
+    (actual[0] * weights).sum().backward()
+    for (name, p), q in zip(padded_model.named_parameters(), packed_model.parameters()):
+        if p.grad is not None:
+            scale = max(p.grad.abs().max().item(), 1e-6)
+            assert (p.grad - q.grad).abs().max().item() <= 1e-4 * scale + 1e-7, name
+
+
+def test_flattening_collator_drives_the_token_classification_head():
+    from transformers import DataCollatorWithFlattening
+
+    config = disentangled.DisentangledConfig(**TINY, num_labels=3)
+    torch.manual_seed(0)
+    model = disentangled.DisentangledForTokenClassification(config).eval()
+    features = [{"input_ids": list(range(5, 5 + n)), "labels": [1] * n} for n in (9, 4, 12)]
+    flat = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=True)(features)
+    logits = model(**flat).logits  # [1, 25, 3]
+    first = model(input_ids=torch.tensor([features[1]["input_ids"]])).logits[0]
+    assert max_abs_diff(logits[0, 9:13], first) <= 1e-5
+
+
+def test_inference_position_cache_follows_weight_updates():
+    model = build("sdpa")
+    batch = padded_batch(100, LENGTHS)
+    attention = model.encoder.layer[0].attention.self
+    with torch.no_grad():
+        first = model(**batch).last_hidden_state
+        cached = attention._position_cache
+        assert cached is not None and model.encoder._rel_cache is not None
+        again = model(**batch).last_hidden_state
+        assert attention._position_cache[2] is cached[2]  # reused, not recomputed
+        torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+        attention.key_proj.weight.mul_(1.5)  # in place: bumps the version
+        model.encoder.rel_embeddings.weight.add_(0.25)
+        changed = model(**batch).last_hidden_state
+    fresh = copy.deepcopy(model)
+    fresh.encoder._rel_cache = None
+    for layer in fresh.encoder.layer:
+        layer.attention.self._position_cache = None
+    with torch.no_grad():
+        expected = fresh(**batch).last_hidden_state
+    assert not torch.allclose(changed, first)
+    torch.testing.assert_close(changed, expected, rtol=0, atol=0)
+    model.train()
+    with torch.no_grad():
+        model(**batch)
+    assert model.encoder._rel_cache is None  # training never caches (dropout, optimizer steps)
+
+
+def test_only_reachable_relative_rows_are_projected():
+    config = disentangled.DisentangledConfig(**dict(TINY, position_buckets=256, max_relative_positions=512))
+    positions = disentangled.DisentangledModel(config).encoder.get_rel_index(128, "cpu")
+    assert positions.width == 255 and positions.column.shape == (255,)
+    assert positions.column.dtype == torch.int64  # gather's index type; [2L - 1], never [L, L]
+
+
+@pytest.mark.parametrize("variant", ["v3", "clipped-distances", "c2p-only", "p2c-only"])
+def test_sdpa_inference_beyond_the_buckets_reach_matches_eager(variant):
+    """Long enough that keys far left and far right of a block attend without a dense bias (log-sum-exp merge)."""
+    reference = build("eager", **VARIANTS[variant])
+    sdpa = with_implementation(reference, "sdpa")
+    batch = padded_batch(100, [150, 97])
+    with torch.no_grad():
+        expected = reference(**batch).last_hidden_state
+        actual = sdpa(**batch).last_hidden_state
+    assert sdpa.encoder.get_rel_index(150, "cpu").near[1] < 100  # the far parts are exercised
+    assert max_abs_diff(actual, expected, batch["attention_mask"]) <= 1e-5 * max(1.0, expected.abs().max().item())
