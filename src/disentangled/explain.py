@@ -360,9 +360,9 @@ def load(name: str, trust_remote_code: bool = False):
     transformers_logging.disable_progress_bar()
     try:
         if config.model_type == "deberta-v2":
-            model = DisentangledModel.from_pretrained(name)
+            model = DisentangledModel.from_pretrained(name, attn_implementation="eager")
         else:
-            model = AutoModel.from_pretrained(name, trust_remote_code=trust_remote_code)
+            model = AutoModel.from_pretrained(name, trust_remote_code=trust_remote_code, attn_implementation="eager")
     finally:
         transformers_logging.set_verbosity(verbosity)
         transformers_logging.enable_progress_bar()
