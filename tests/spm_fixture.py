@@ -10,7 +10,7 @@ import json
 import random
 from pathlib import Path
 
-import sentencepiece
+from disentangled.data import train_sentencepiece
 
 WORDS = (
     "the a an cat dog bird sat ran flew on under over mat rug tree quick brown lazy fox river bank money market "
@@ -27,29 +27,7 @@ def corpus_lines(count: int = 3000, seed: int = 0) -> list[str]:
 
 def train_spm(directory: Path, vocab_size: int = SPM_VOCAB_SIZE) -> Path:
     """Train a unigram model with DeBERTa-v3's reserved ids ([PAD] 0, [CLS] 1, [SEP] 2, [UNK] 3)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    corpus = directory / "corpus.txt"
-    corpus.write_text("\n".join(corpus_lines()))
-    prefix = directory / "spm"
-    sentencepiece.SentencePieceTrainer.train(
-        input=str(corpus),
-        model_prefix=str(prefix),
-        vocab_size=vocab_size,
-        model_type="unigram",
-        pad_id=0,
-        pad_piece="[PAD]",
-        bos_id=1,
-        bos_piece="[CLS]",
-        eos_id=2,
-        eos_piece="[SEP]",
-        unk_id=3,
-        unk_piece="[UNK]",
-        character_coverage=1.0,
-        num_threads=1,
-        minloglevel=2,
-    )
-    corpus.unlink()
-    return prefix.with_suffix(".model")
+    return train_sentencepiece(directory, corpus_lines(), vocab_size=vocab_size)
 
 
 def write_deberta_v3_tokenizer_files(folder: Path, spm_model: Path | None = None) -> Path:
