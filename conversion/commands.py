@@ -22,7 +22,7 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_convert(args: argparse.Namespace) -> int:
     from .convert import convert
-    from .hub import check_repo_id, push_folder
+    from .hub import check_repo_id
 
     if args.push_to:
         check_repo_id(args.push_to)
@@ -38,16 +38,23 @@ def run_convert(args: argparse.Namespace) -> int:
         repo_id=args.push_to,
     )
     if args.push_to:
-        push_folder(
-            args.output_dir,
-            args.push_to,
-            private=args.private,
-            revision=args.push_revision,
-            create_pr=args.create_pr,
-            commit_message=args.commit_message,
-            dry_run=args.dry_run,
-        )
+        _push(args, args.push_to)
     return 0
+
+
+def _push(args: argparse.Namespace, repo_id: str) -> None:
+    """Upload args.output_dir with the push options both `convert --push-to` and `push` take."""
+    from .hub import push_folder
+
+    push_folder(
+        args.output_dir,
+        repo_id,
+        private=args.private,
+        revision=args.push_revision,
+        create_pr=args.create_pr,
+        commit_message=args.commit_message,
+        dry_run=args.dry_run,
+    )
 
 
 def _add_push_options(parser: argparse.ArgumentParser, revision_flag: str = "--push-revision") -> None:
@@ -65,17 +72,7 @@ def add_push_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_push(args: argparse.Namespace) -> int:
-    from .hub import push_folder
-
-    push_folder(
-        args.output_dir,
-        args.repo_id,
-        private=args.private,
-        revision=args.push_revision,
-        create_pr=args.create_pr,
-        commit_message=args.commit_message,
-        dry_run=args.dry_run,
-    )
+    _push(args, args.repo_id)
     return 0
 
 
@@ -94,9 +91,3 @@ def run_export_transformers(args: argparse.Namespace) -> int:
         args.output_dir, args.hf_dir, revision=args.revision, verify=not args.no_verify, force=args.force
     )
     return 0
-
-
-# cli.py looks commands up as f"{prefix}_{command}" ("add_arguments_convert", "run_convert", ...).
-add_arguments_convert = add_convert_arguments
-add_arguments_push = add_push_arguments
-add_arguments_export_transformers = add_export_transformers_arguments

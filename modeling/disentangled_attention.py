@@ -78,13 +78,6 @@ def relative_index_by_distance(length: int, span: int, bucket_size: int, max_pos
     return (bucket + span).clamp(0, 2 * span - 1)
 
 
-def relative_index(length: int, span: int, bucket_size: int, max_position: int, device) -> Tensor:
-    """rel_index[i, j] = δ(i, j) + span: [L, L] int64. Only for inspection; the model uses `RelativePositions`."""
-    by_distance = relative_index_by_distance(length, span, bucket_size, max_position, device)
-    positions = torch.arange(length, device=device)
-    return by_distance[positions[:, None] - positions[None, :] + length - 1]
-
-
 def gather_relative(by_offset: Tensor, rel_index: Tensor) -> Tensor:
     """For each (i, j), take column rel_index[i, j]: [B, H, L, 2S] -> [B, H, L, L]."""
     return by_offset.gather(-1, rel_index.expand(*by_offset.shape[:-2], *rel_index.shape))

@@ -26,8 +26,11 @@ COMMANDS = {
 }
 
 
-def _command_function(module, prefix: str, command: str):
-    return getattr(module, f"{prefix}_{command.replace('-', '_')}", None) or getattr(module, prefix)
+def _command_function(module, kind: str, command: str):
+    """`add_<command>_arguments` / `run_<command>` when a module serves several commands, else `add_arguments` / `run`."""
+    name = command.replace("-", "_")
+    specific = f"add_{name}_arguments" if kind == "add_arguments" else f"run_{name}"
+    return getattr(module, specific, None) or getattr(module, kind)
 
 
 def build_parser(command: str | None) -> argparse.ArgumentParser:
