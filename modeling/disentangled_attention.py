@@ -20,17 +20,21 @@ What is never materialised: the position terms are not stored as [L, L] per laye
 exists outside the eager reference. The encoder builds `RelativePositions` once per forward: the table
 column of each distance d = i - j ([2L - 1] entries) and the range of relative rows an L-token input can
 reach (255 rows for 128 tokens, not 2S = 512); only those rows are projected. A layer hands its backend
-`PositionScores`, the c2p and p2c scores against the reachable rows ([B, H, L, W] tables, the scaling folded
-into the small position projections). Then:
+`PositionScores`: the content streams and the projected relative rows Kr, Qr ([H, W, D], the scaling folded
+in), from which the c2p and p2c tables against the reachable rows ([B, H, L, W]) are built when and where
+the backend needs them. Then:
 
 - eager (the reference) gathers the tables into a dense [B, H, L, L] bias with an [L, L] index;
 - sdpa builds the bias one block of query rows at a time and hands it to
   `torch.nn.functional.scaled_dot_product_attention`. With the keys in reverse order (j' = L - 1 - j),
   i - j + L - 1 = i + j', so the index of a block is a stride-(1, 1) view of the [2L - 1] column vector
-  (a Hankel matrix): no index tensor is built, and the gathers read memory in order. In CPU inference,
-  keys beyond the buckets' reach (where the column stops changing) need no dense bias at all: c2p is a
-  constant of the row there and p2c a bias of the key, so those keys run as plain attention, merged with
-  the band by log-sum-exp (`_attend_near_and_far`);
+  (a Hankel matrix): no index tensor is built, and the gathers read memory in order. In inference the
+  tables themselves are built per block (c2p) and per group of sequences (p2c), so on the CPU they stay in
+  cache (`_attend_in_blocks`); keys beyond the buckets' reach (where the column stops changing) need no
+  dense bias at all: c2p is a constant of the row there and p2c a bias of the key, so those keys run as
+  plain attention, merged with the band by log-sum-exp (`_attend_near_and_far`). CPU training, where SDPA
+  would run its math path with a bias gradient, runs `BlockedAttention`: the same blocks, with a backward
+  that scatters dS straight into the two tables;
 - flex_attention reads the tables inside a `score_mod`, so no [L, L] tensor exists at all.
 """
 
@@ -38,7 +42,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -47,9 +51,10 @@ from torch.nn import functional as F
 from .validation import is_tracing
 
 try:  # torch >= 2.5; the Hub bundle must still import without it
+    from torch.nn.attention.flex_attention import BlockMask
     from torch.nn.attention.flex_attention import flex_attention as _flex_attention
 except ImportError:  # pragma: no cover
-    _flex_attention = None
+    BlockMask = _flex_attention = None
 
 
 def log_bucket(distance: Tensor, bucket_size: int, max_position: int) -> Tensor:
@@ -148,20 +153,54 @@ class RelativePositions:
         return self.column.as_strided((rows, columns), (1, 1), self.column.storage_offset() + first)
 
 
+def position_table(content: Tensor, rows: Tensor | None) -> Tensor | None:
+    """[B, H, L, D] content against [H, W, D] projected relative rows: [B, H, L, W] dot products.
+
+    einsum runs one [B * L, D] x [D, W] product per head (a broadcast matmul would run B * H small ones).
+    """
+    return torch.einsum("bhld,hrd->bhlr", content, rows) if rows is not None else None
+
+
 @dataclass
 class PositionScores:
-    """One layer's position terms against the reachable relative rows, scaled.
+    """One layer's position terms: the content streams and the projected relative rows, scaled.
 
-    c2p[b, h, i, r] = q_i . Kr[r] * scaling and p2c[b, h, j, r] = k_j . Qr[r] * scaling ([B, H, L, W]);
+    `pos_key` (Kr) and `pos_query` (Qr) are the reachable relative rows through the key and query
+    projections, [H, W, D], the scaling folded in; each is None when its term (c2p, p2c) is off. The tables
+    c2p[b, h, i, r] = q_i . Kr[r] and p2c[b, h, j, r] = k_j . Qr[r] ([B, H, L, W]) are computed on first use,
+    so that a backend that builds them block by block never holds them whole.
     p2p[h, d + L - 1] = Qr[δ(d)] . Kr[δ(-d)] * scaling for each distance d = i - j ([H, 2L - 1]: by distance, not
-    by bucket, since where distances are clipped one bucket of δ(i, j) meets two buckets of δ(j, i)). A term the
-    config does not use is None.
+    by bucket, since where distances are clipped one bucket of δ(i, j) meets two buckets of δ(j, i)), or None.
     """
 
-    c2p: Tensor | None
-    p2c: Tensor | None
+    query: Tensor  # [B, H, L, D]
+    key: Tensor  # [B, H, L, D]
+    pos_key: Tensor | None  # Kr [H, W, D], for c2p
+    pos_query: Tensor | None  # Qr [H, W, D], for p2c
     p2p: Tensor | None
     positions: RelativePositions
+
+    _tables: dict = field(default_factory=dict, repr=False)  # c2p and p2c once built
+
+    @property
+    def c2p(self) -> Tensor | None:
+        """[B, H, L, W]: q_i . Kr[r], built on first use."""
+        if "c2p" not in self._tables:
+            self._tables["c2p"] = position_table(self.query, self.pos_key)
+        return self._tables["c2p"]
+
+    @property
+    def p2c(self) -> Tensor | None:
+        """[B, H, L, W]: k_j . Qr[r], built on first use."""
+        return self.p2c_for(self.key)
+
+    def p2c_for(self, key: Tensor) -> Tensor | None:
+        """The p2c table of these keys (the stored ones, or the same reversed): [B, H, L, W], k_j . Qr[r]."""
+        if key is not self.key:
+            return position_table(key, self.pos_query)
+        if "p2c" not in self._tables:
+            self._tables["p2c"] = position_table(self.key, self.pos_query)
+        return self._tables["p2c"]
 
     def bias(self, rows: slice = slice(None)) -> Tensor | float:
         """The summed position terms for query rows `rows`: [B or 1, H, len(rows), L]. The reference."""
@@ -204,13 +243,17 @@ class PositionScores:
 
     def cut(self, first: int, last: int) -> PositionScores:
         """The position terms of tokens [first, last) as an input of their own (one packed sequence)."""
-
-        def tokens(table: Tensor | None) -> Tensor | None:
-            return table[:, :, first:last] if table is not None else None
-
         length, middle = last - first, self.positions.length - 1  # p2p is by distance: keep |d| < length
         p2p = self.p2p[:, middle - (length - 1) : middle + length] if self.p2p is not None else None
-        return PositionScores(tokens(self.c2p), tokens(self.p2c), p2p, self.positions.cut(length))
+        tokens = slice(first, last)
+        return PositionScores(
+            self.query[:, :, tokens],
+            self.key[:, :, tokens],
+            self.pos_key,
+            self.pos_query,
+            p2p,
+            self.positions.cut(length),
+        )
 
 
 def _masked_scores(scores: Tensor, attention_mask: Tensor | None) -> Tensor:
@@ -279,14 +322,14 @@ def sdpa_disentangled(
 
     key, value = key.flip(-2), value.flip(-2)  # j' = L - 1 - j
     mask = attention_mask.flip(-1) if attention_mask is not None else None
-    p2c_reversed = position_scores.p2c.flip(-2) if position_scores.p2c is not None else None
-    tensors = (query, key, value, position_scores.c2p, position_scores.p2c)
+    tensors = (query, key, value, position_scores.pos_key, position_scores.pos_query)
     inference = not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
     positions = position_scores.positions
     cpu = query.device.type == "cpu" and CPU_FLASH_WITH_LSE  # the log-sum-exp comes from the CPU flash kernel
     if cpu and inference and dropout == 0 and position_scores.p2p is None and (mask is None or mask.shape[-2] == 1):
         near_width = min(length, positions.near[1] - positions.near[0] + 1)
         if near_width < length:  # keys beyond the buckets' reach in both directions: attention in three parts
+            p2c_reversed = position_scores.p2c_for(key)
             step = max(1, min(length, block_elements // max(1, batch * heads * near_width)))
             blocks = [
                 _attend_near_and_far(position_scores, p2c_reversed, query, key, value, mask, scaling, first, step)
@@ -294,7 +337,14 @@ def sdpa_disentangled(
             ]
             context = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
             return context.transpose(1, 2), None
+    if inference and dropout == 0:
+        return _attend_in_blocks(position_scores, query, key, value, mask, scaling, block_elements), None
+    if query.device.type == "cpu" and position_scores.p2p is None:  # CPU training: our own backward, in blocks
+        c2p, p2c = position_scores.c2p, position_scores.p2c_for(key)
+        context = BlockedAttention.apply(query, key, value, c2p, p2c, mask, positions, scaling, dropout, block_elements)
+        return context, None
 
+    p2c_reversed = position_scores.p2c_for(key)
     step = max(1, min(length, block_elements // max(1, batch * heads * length)))
     blocks = []
     for first in range(0, length, step):
@@ -315,6 +365,162 @@ def sdpa_disentangled(
         )
     context = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
     return context.transpose(1, 2), None
+
+
+def _tiles(query: Tensor, block_elements: int) -> list[tuple[slice, int, int]]:
+    """(sequences, first row, last row) of each block for `_attend_in_blocks` and `BlockedAttention`.
+
+    A block holds at most `block_elements` scores. On the CPU it covers a cache-sized group of sequences
+    (one, when L is large); an accelerator takes the whole batch at once.
+    """
+    batch, heads, length, _ = query.shape
+    group = batch if query.device.type != "cpu" else max(1, min(batch, block_elements // (heads * length * length)))
+    rows = max(1, min(length, block_elements // (group * heads * length)))
+    return [
+        (slice(start, min(start + group, batch)), first, min(first + rows, length))
+        for start in range(0, batch, group)
+        for first in range(0, length, rows)
+    ]
+
+
+def _block_bias(
+    positions: RelativePositions,
+    c2p_rows: Tensor | None,
+    p2c_by_row: Tensor | None,
+    p2p: Tensor | None,
+    first: int,
+    last: int,
+    batch_heads: tuple[int, int],
+) -> Tensor:
+    """The position terms of query rows [first, last) against the reversed keys, [g, H, n, L], summed in place.
+
+    `c2p_rows` is c2p of those rows ([g, H, n, W]); `p2c_by_row` the p2c table of the reversed keys read by
+    table row ([g, H, W, L], a transposed view), so that gathering along its rows gives [i, j'] order directly.
+    Both read column[i + j'], a Hankel view of the by-distance column (no index tensor is built).
+    """
+    length = positions.length
+    index = positions.hankel(first, last - first, length).expand(*batch_heads, last - first, length)
+    bias = c2p_rows.gather(-1, index) if c2p_rows is not None else None  # c2p: q_i . Kr[δ(i,j)]
+    if p2c_by_row is not None:  # p2c: k_j . Qr[δ(i,j)]
+        p2c = p2c_by_row.gather(-2, index)
+        bias = p2c if bias is None else bias.add_(p2c)
+    if p2p is not None:  # Qr[δ(i,j)] . Kr[δ(j,i)], by distance: index first + a + b, a view as well
+        p2p = p2p.as_strided((p2p.shape[0], last - first, length), (p2p.stride(0), 1, 1), p2p.storage_offset() + first)
+        bias = bias.add_(p2p) if bias is not None else p2p.expand_as(index).clone()
+    return bias
+
+
+def _block_mask(mask: Tensor, sequences: slice, first: int, last: int) -> Tensor:
+    """Rows [first, last) of sequences `sequences` of a [B | 1, 1, 1 | L, L] mask."""
+    mask = mask[sequences] if mask.shape[0] > 1 else mask
+    return mask if mask.shape[-2] == 1 else mask[:, :, first:last]
+
+
+def _attend_in_blocks(
+    position_scores: PositionScores,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None,
+    scaling: float,
+    block_elements: int,
+) -> Tensor:
+    """Inference: SDPA one block of query rows at a time, keys reversed, tables built as they are needed.
+
+    Nothing [B, H, L, W] is kept: p2c is computed for one group of sequences, c2p for one block of rows, so on
+    the CPU (one sequence per group when L is large) tables and bias stay in cache. Returns [B, L, H, D].
+    """
+    batch, heads, length, dim = query.shape
+    pos_key, pos_query = position_scores.pos_key, position_scores.pos_query
+    context = query.new_empty(batch, length, heads, dim)
+    p2c_by_row, group = None, None
+    for sequences, first, last in _tiles(query, block_elements):
+        if pos_query is not None and sequences != group:  # p2c of this group's reversed keys: k_j' . Qr[r]
+            p2c_by_row, group = position_table(key[sequences], pos_query).mT, sequences
+        c2p_rows = position_table(query[sequences, :, first:last], pos_key)  # c2p of these rows: q_i . Kr[r]
+        group_heads = (sequences.stop - sequences.start, heads)
+        bias = _block_bias(
+            position_scores.positions, c2p_rows, p2c_by_row, position_scores.p2p, first, last, group_heads
+        )
+        bias = bias.to(query.dtype)
+        if mask is not None:
+            bias.masked_fill_(~_block_mask(mask, sequences, first, last), torch.finfo(query.dtype).min)
+        attended = F.scaled_dot_product_attention(
+            query[sequences, :, first:last], key[sequences], value[sequences], attn_mask=bias, scale=scaling
+        )
+        context[sequences, first:last] = attended.transpose(1, 2)
+    return context
+
+
+class BlockedAttention(torch.autograd.Function):
+    """softmax(c2c + c2p + p2c, masked), dropout, @ v: one block of query rows at a time, with its own backward.
+
+    For training on the CPU, where SDPA with a bias that needs a gradient runs its math path. Inputs: query,
+    reversed key and value [B, H, L, D], the c2p table and the p2c table of the reversed keys [B, H, L, W]
+    (either may be None), a reversed bool mask [B, 1, 1 | L, L] or None. Returns the context [B, L, H, D].
+    The forward keeps the probabilities (and the dropout mask), as eager and SDPA's math path do; the backward
+    sends dS = P * (dP - rowsum(dO * O)) straight into the two tables with `scatter_add_` along the same Hankel
+    views the forward gathered with, block by block, so no other [B, H, L, L] tensor is made.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, c2p, p2c, mask, positions, scaling, dropout, block_elements=None):
+        batch, heads, length, dim = query.shape
+        tiles = _tiles(query, block_elements or SDPA_BLOCK_ELEMENTS)
+        probs = query.new_empty(batch, heads, length, length)
+        keep = torch.empty(probs.shape, dtype=torch.bool, device=query.device) if dropout > 0 else None
+        context = query.new_empty(batch, length, heads, dim)
+        with torch.autocast(query.device.type, enabled=False):  # the inputs already carry autocast's dtype
+            for sequences, first, last in tiles:
+                rows = slice(first, last)
+                scores = (query[sequences, :, rows] * scaling) @ key[sequences].mT  # c2c: q_i . k_j
+                c2p_rows = c2p[sequences, :, rows] if c2p is not None else None
+                p2c_by_row = p2c[sequences].mT if p2c is not None else None
+                scores += _block_bias(positions, c2p_rows, p2c_by_row, None, first, last, scores.shape[:2])  # c2p, p2c
+                if mask is not None:
+                    scores.masked_fill_(~_block_mask(mask, sequences, first, last), torch.finfo(scores.dtype).min)
+                block_probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+                block_probs = block_probs.to(query.dtype)
+                probs[sequences, :, rows] = block_probs
+                if keep is not None:
+                    block_keep = keep[sequences, :, rows].bernoulli_(1 - dropout)
+                    block_probs = block_probs * block_keep * (1 / (1 - dropout))
+                context[sequences, rows] = (block_probs @ value[sequences]).transpose(1, 2)
+        ctx.save_for_backward(query, key, value, probs, keep, context)
+        ctx.tiles, ctx.positions, ctx.scaling, ctx.dropout = tiles, positions, scaling, dropout
+        ctx.table_width = (c2p if c2p is not None else p2c).shape[-1]
+        ctx.has_tables = (c2p is not None, p2c is not None)
+        return context
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_context):
+        query, key, value, probs, keep, context = ctx.saved_tensors
+        scaling, dropout, positions = ctx.scaling, ctx.dropout, ctx.positions
+        table_shape = (*query.shape[:3], ctx.table_width)
+        grad_query, grad_key, grad_value = torch.empty_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        grad_c2p = query.new_zeros(table_shape) if ctx.has_tables[0] else None
+        grad_p2c = query.new_zeros(table_shape) if ctx.has_tables[1] else None
+        delta = (grad_context * context).sum(-1).transpose(1, 2)  # [B, H, L]: rowsum(dO * O) = rowsum(P * dP)
+        for sequences, first, last in ctx.tiles:
+            rows = slice(first, last)
+            block_probs = probs[sequences, :, rows]  # P
+            grad_out = grad_context[sequences, rows].transpose(1, 2)  # dO [g, H, n, D]
+            grad_probs = grad_out @ value[sequences].mT  # dP of the probabilities after dropout
+            dropped = block_probs
+            if keep is not None:
+                block_keep = keep[sequences, :, rows] * (1 / (1 - dropout))
+                dropped, grad_probs = block_probs * block_keep, grad_probs * block_keep
+            grad_value[sequences] += dropped.mT @ grad_out
+            grad_scores = block_probs * (grad_probs - delta[sequences, :, rows, None])  # dS, softmax's backward
+            grad_query[sequences, :, rows] = (grad_scores @ key[sequences]) * scaling
+            grad_key[sequences] += grad_scores.mT @ (query[sequences, :, rows] * scaling)
+            index = positions.hankel(first, last - first, positions.length).expand_as(grad_scores)
+            if grad_c2p is not None:  # c2p[i, column[i + j']] received dS[i, j']
+                grad_c2p[sequences, :, rows].scatter_add_(-1, index, grad_scores)
+            if grad_p2c is not None:  # p2c[j', column[i + j']] received dS[i, j']
+                grad_p2c[sequences].mT.scatter_add_(-2, index, grad_scores)
+        return grad_query, grad_key, grad_value, grad_c2p, grad_p2c, None, None, None, None, None
 
 
 def _attend_near_and_far(
@@ -384,6 +590,25 @@ def compiled_flex_attention():
     return _compiled_flex
 
 
+FLEX_BLOCK_SIZE = 128
+
+
+def full_block_mask(query_length: int, key_length: int, device) -> BlockMask:
+    """Every key block for every query block, in tiles of FLEX_BLOCK_SIZE.
+
+    Without a block mask flex_attention takes the whole input as one block, and its CPU kernel then keeps a
+    [L, L] score buffer per thread (8 GiB at 32k tokens); with tiles its memory stays linear in L.
+    """
+    query_blocks, key_blocks = -(-query_length // FLEX_BLOCK_SIZE), -(-key_length // FLEX_BLOCK_SIZE)
+    indices = torch.arange(key_blocks, dtype=torch.int32, device=device).expand(1, 1, query_blocks, key_blocks)
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks=torch.full((1, 1, query_blocks), key_blocks, dtype=torch.int32, device=device),
+        kv_indices=indices.contiguous(),
+        BLOCK_SIZE=FLEX_BLOCK_SIZE,
+        seq_lengths=(query_length, key_length),
+    )
+
+
 def flex_disentangled(
     module: torch.nn.Module,
     query: Tensor,
@@ -430,7 +655,8 @@ def flex_disentangled(
 
     compiled = FLEX_COMPILED if compiled is None else compiled
     attend = compiled_flex_attention() if compiled else _flex_attention
-    context = attend(query, key, value, score_mod=score_mod, scale=scaling)
+    blocks = full_block_mask(length, key.shape[-2], query.device) if compiled else None
+    context = attend(query, key, value, score_mod=score_mod, block_mask=blocks, scale=scaling)
     return context.transpose(1, 2), None
 
 

@@ -186,14 +186,18 @@ class DisentangledSelfAttention(nn.Module):
         if not (self.use_c2p or self.use_p2c or self.use_p2p):
             return None
         pos_key, pos_query = self.position_projections(rel_embeddings)  # [H, W, D]
-        # einsum runs one [B * L, D] x [D, W] product per head (a broadcast matmul would run B * H small ones)
-        c2p = torch.einsum("bhid,hrd->bhir", query, pos_key) if self.use_c2p else None  # [B, H, L, W]: q_i . Kr[r]
-        p2c = torch.einsum("bhjd,hrd->bhjr", key, pos_query) if self.use_p2c else None  # [B, H, L, W]: k_j . Qr[r]
         p2p = None
         if self.use_p2p:  # [H, 2L - 1] by distance d: Qr[δ(d)] . Kr[δ(-d)], both tables scaled, so once unscaled
             column = positions.column  # [2L - 1]; reversed, it is the column of -d
             p2p = (pos_query[:, column] * pos_key[:, column.flip(0)]).sum(-1) / self.scaling
-        return PositionScores(c2p=c2p, p2c=p2c, p2p=p2p, positions=positions)
+        return PositionScores(  # c2p: q_i . Kr[δ(i,j)], p2c: k_j . Qr[δ(i,j)], built by the backend
+            query=query,
+            key=key,
+            pos_key=pos_key if self.use_c2p else None,
+            pos_query=pos_query if self.use_p2c else None,
+            p2p=p2p,
+            positions=positions,
+        )
 
     def backend(self, output_attentions: bool, query: Tensor) -> str:
         """The configured attention implementation, or the one that can serve this call (warned once)."""

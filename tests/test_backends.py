@@ -200,3 +200,66 @@ def test_sdpa_inference_beyond_the_buckets_reach_matches_eager(variant):
         actual = sdpa(**batch).last_hidden_state
     assert sdpa.encoder.get_rel_index(150, "cpu").near[1] < 100  # the far parts are exercised
     assert max_abs_diff(actual, expected, batch["attention_mask"]) <= 1e-5 * max(1.0, expected.abs().max().item())
+
+
+def blocked_attention_inputs(dtype=torch.float64, length=12, batch=2, heads=3, dim=4):
+    """Inputs of `BlockedAttention`: keys already reversed, log buckets from |d| >= 4 on, one padded sequence."""
+    positions = backends.RelativePositions.build(length, 8, 8, 16, "cpu")
+    generator = torch.Generator().manual_seed(0)
+
+    def tensor(*shape):
+        return torch.randn(*shape, generator=generator, dtype=dtype, requires_grad=True)
+
+    query, key, value = (tensor(batch, heads, length, dim) for _ in range(3))
+    c2p, p2c = (tensor(batch, heads, length, positions.width) for _ in range(2))
+    keep = torch.ones(batch, 1, 1, length, dtype=torch.bool)
+    keep[1, ..., : length // 3] = False  # reversed keys: padding comes first
+    return query, key, value, c2p, p2c, keep, positions
+
+
+def reference_attention(query, key, value, c2p, p2c, keep, positions, scaling, dropout_keep=None, dropout=0.0):
+    """softmax(q k'ᵀ scaled + c2p + p2c, masked) (dropout) @ v with the dense Hankel index: [B, L, H, D]."""
+    length = query.shape[-2]
+    index = positions.hankel(0, length, length)  # column of (i, j'), keys reversed
+    c2p_bias = c2p.gather(-1, index.expand(*c2p.shape[:2], length, length))
+    p2c_bias = p2c.mT.gather(-2, index.expand(*p2c.shape[:2], length, length))
+    scores = (query * scaling) @ key.mT + c2p_bias + p2c_bias
+    probs = torch.softmax(scores.masked_fill(~keep, torch.finfo(scores.dtype).min), dim=-1)
+    if dropout_keep is not None:
+        probs = probs * dropout_keep / (1 - dropout)
+    return (probs @ value).transpose(1, 2)
+
+
+@pytest.mark.parametrize("block_elements", [None, 3 * 12 * 5])  # one block per batch; blocks of 5 rows
+def test_blocked_attention_gradients_with_dropout(block_elements):
+    """CPU training's own backward (dS into the position tables by scatter_add) against numerical gradients
+    in float64, with padding, several blocks and dropout (the seed is reset for each call, so every call
+    drops the same entries)."""
+    *tensors, keep, positions = blocked_attention_inputs()
+
+    def attention(*inputs):
+        torch.manual_seed(1)
+        return backends.BlockedAttention.apply(*inputs, keep, positions, 0.3, 0.25, block_elements)
+
+    assert torch.autograd.gradcheck(attention, tuple(tensors), eps=1e-6, atol=1e-5)
+
+
+def test_blocked_attention_matches_the_dense_formula():
+    """Forward and gradients against the dense formula, without dropout, and with the same dropout mask."""
+    *tensors, keep, positions = blocked_attention_inputs(torch.float32, length=20)
+    for dropout in (0.0, 0.2):
+        torch.manual_seed(3)
+        actual = backends.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, 2 * 3 * 20 * 7)
+        dropout_keep = None
+        if dropout:  # the same draws: one bernoulli_ over the whole [B, H, L, L] when one block holds it all
+            torch.manual_seed(3)
+            dropout_keep = torch.empty(2, 3, 20, 20, dtype=torch.bool).bernoulli_(1 - dropout)
+            torch.manual_seed(3)
+            actual = backends.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, None)
+        expected = reference_attention(*tensors, keep, positions, 0.3, dropout_keep, dropout)
+        weights = torch.randn_like(expected)
+        actual_grads = torch.autograd.grad((actual * weights).sum(), tensors)
+        expected_grads = torch.autograd.grad((expected * weights).sum(), tensors)
+        assert (actual - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
+        for name, got, want in zip(("query", "key", "value", "c2p", "p2c"), actual_grads, expected_grads):
+            assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item()), name
