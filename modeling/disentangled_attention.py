@@ -211,36 +211,6 @@ class PositionScores:
         p2p = self.p2p[:, distance].unsqueeze(0) if self.p2p is not None else 0.0  # Qr[δ(i,j)] . Kr[δ(j,i)]
         return c2p + p2c + p2p
 
-    def bias_reversed_keys(
-        self, p2c_reversed: Tensor | None, first: int, last: int, keys: slice | None = None
-    ) -> Tensor | float:
-        """The summed position terms for query rows [first, last), keys in reverse order: [B or 1, H, n, len(keys)].
-
-        With j' = L - 1 - j the column of (i, j) is column[i + j'], a Hankel view: each gather reads one
-        contiguous window of its table row. `p2c_reversed` is p2c with its rows (keys) reversed; `keys` a
-        range of reversed keys (all by default).
-        """
-        positions, n = self.positions, last - first
-        keys = keys if keys is not None else slice(0, positions.length)
-        width = keys.stop - keys.start
-        c2p = p2c = p2p = None
-        if self.c2p is not None:  # q_i . Kr[δ(i,j)]: row i, column column[i + j']
-            c2p_rows = self.c2p[:, :, first:last]
-            index = positions.hankel(first + keys.start, n, width)
-            c2p = c2p_rows.gather(-1, index.expand(*c2p_rows.shape[:2], n, width))
-        if p2c_reversed is not None:  # k_j . Qr[δ(i,j)]: row j', column column[i + j'], built as [j', i]
-            index = positions.hankel(first + keys.start, width, n).expand(*p2c_reversed.shape[:2], width, n)
-            p2c = p2c_reversed[:, :, keys].gather(-1, index).mT
-        if self.p2p is not None:  # Qr[δ(i,j)] . Kr[δ(j,i)]: distance index first + a + b, a view as well
-            offset = self.p2p.storage_offset() + first + keys.start
-            p2p = self.p2p.as_strided((self.p2p.shape[0], n, width), (self.p2p.stride(0), 1, 1), offset).unsqueeze(0)
-        # c2p + p2c + p2p, summed in place into the first term's fresh buffer: one [.., n, L] block, not three
-        terms = [term for term in (c2p, p2c, p2p) if term is not None]
-        total = terms[0].contiguous() if terms[0] is not c2p else c2p
-        for term in terms[1:]:
-            total = total.add_(term) if total.shape == torch.broadcast_shapes(total.shape, term.shape) else total + term
-        return total
-
     def cut(self, first: int, last: int) -> PositionScores:
         """The position terms of tokens [first, last) as an input of their own (one packed sequence)."""
         length, middle = last - first, self.positions.length - 1  # p2p is by distance: keep |d| < length
@@ -304,7 +274,7 @@ def sdpa_disentangled(
     """`scaled_dot_product_attention` with the position terms (and the mask) as an additive float bias.
 
     The bias exists one block of query rows at a time ([B, H, rows, L], at most `block_elements`); the keys
-    go in reverse order so that the block's index is a view (see `PositionScores.bias_reversed_keys`).
+    go in reverse order so that the block's index is a view (see `_block_bias`).
     Attention is invariant to the order of the keys, so the result is unchanged.
     """
     batch, heads, length, _ = query.shape
@@ -329,42 +299,21 @@ def sdpa_disentangled(
     if cpu and inference and dropout == 0 and position_scores.p2p is None and (mask is None or mask.shape[-2] == 1):
         near_width = min(length, positions.near[1] - positions.near[0] + 1)
         if near_width < length:  # keys beyond the buckets' reach in both directions: attention in three parts
-            p2c_reversed = position_scores.p2c_for(key)
+            p2c_by_row = position_scores.p2c_for(key)
+            p2c_by_row = p2c_by_row.mT if p2c_by_row is not None else None
             step = max(1, min(length, block_elements // max(1, batch * heads * near_width)))
             blocks = [
-                _attend_near_and_far(position_scores, p2c_reversed, query, key, value, mask, scaling, first, step)
+                _attend_near_and_far(position_scores, p2c_by_row, query, key, value, mask, scaling, first, step)
                 for first in range(0, length, step)
             ]
             context = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
             return context.transpose(1, 2), None
-    if inference and dropout == 0:
-        return _attend_in_blocks(position_scores, query, key, value, mask, scaling, block_elements), None
-    if query.device.type == "cpu" and position_scores.p2p is None:  # CPU training: our own backward, in blocks
+    if not inference and query.device.type == "cpu" and position_scores.p2p is None:  # CPU training
         c2p, p2c = position_scores.c2p, position_scores.p2c_for(key)
         context = BlockedAttention.apply(query, key, value, c2p, p2c, mask, positions, scaling, dropout, block_elements)
         return context, None
-
-    p2c_reversed = position_scores.p2c_for(key)
-    step = max(1, min(length, block_elements // max(1, batch * heads * length)))
-    blocks = []
-    for first in range(0, length, step):
-        last = min(first + step, length)
-        bias = position_scores.bias_reversed_keys(p2c_reversed, first, last).to(query.dtype)
-        if mask is not None:  # [B, 1, 1 | L, L] -> this block's rows
-            block_mask = ~(mask if mask.shape[-2] == 1 else mask[:, :, first:last])
-            if bias.shape == (batch, heads, last - first, length):
-                bias = bias.masked_fill_(block_mask, torch.finfo(query.dtype).min)
-            else:
-                bias = bias.expand(batch, heads, last - first, length).masked_fill(
-                    block_mask, torch.finfo(query.dtype).min
-                )
-        blocks.append(
-            F.scaled_dot_product_attention(
-                query[:, :, first:last], key, value, attn_mask=bias, dropout_p=dropout, scale=scaling
-            )
-        )
-    context = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
-    return context.transpose(1, 2), None
+    context = _attend_in_blocks(position_scores, query, key, value, mask, scaling, dropout, block_elements, inference)
+    return context, None
 
 
 def _tiles(query: Tensor, block_elements: int) -> list[tuple[slice, int, int]]:
@@ -391,21 +340,25 @@ def _block_bias(
     first: int,
     last: int,
     batch_heads: tuple[int, int],
+    keys: slice | None = None,
 ) -> Tensor:
-    """The position terms of query rows [first, last) against the reversed keys, [g, H, n, L], summed in place.
+    """The position terms of query rows [first, last) against reversed keys `keys` (all by default), summed in
+    place: [g, H, n, len(keys)].
 
     `c2p_rows` is c2p of those rows ([g, H, n, W]); `p2c_by_row` the p2c table of the reversed keys read by
     table row ([g, H, W, L], a transposed view), so that gathering along its rows gives [i, j'] order directly.
     Both read column[i + j'], a Hankel view of the by-distance column (no index tensor is built).
     """
-    length = positions.length
-    index = positions.hankel(first, last - first, length).expand(*batch_heads, last - first, length)
+    keys = keys if keys is not None else slice(0, positions.length)
+    width = keys.stop - keys.start
+    index = positions.hankel(first + keys.start, last - first, width).expand(*batch_heads, last - first, width)
     bias = c2p_rows.gather(-1, index) if c2p_rows is not None else None  # c2p: q_i . Kr[δ(i,j)]
     if p2c_by_row is not None:  # p2c: k_j . Qr[δ(i,j)]
-        p2c = p2c_by_row.gather(-2, index)
+        p2c = p2c_by_row[..., keys].gather(-2, index)
         bias = p2c if bias is None else bias.add_(p2c)
     if p2p is not None:  # Qr[δ(i,j)] . Kr[δ(j,i)], by distance: index first + a + b, a view as well
-        p2p = p2p.as_strided((p2p.shape[0], last - first, length), (p2p.stride(0), 1, 1), p2p.storage_offset() + first)
+        offset = p2p.storage_offset() + first + keys.start
+        p2p = p2p.as_strided((p2p.shape[0], last - first, width), (p2p.stride(0), 1, 1), offset)
         bias = bias.add_(p2p) if bias is not None else p2p.expand_as(index).clone()
     return bias
 
@@ -423,30 +376,45 @@ def _attend_in_blocks(
     value: Tensor,
     mask: Tensor | None,
     scaling: float,
+    dropout: float,
     block_elements: int,
+    inference: bool,
 ) -> Tensor:
-    """Inference: SDPA one block of query rows at a time, keys reversed, tables built as they are needed.
+    """SDPA one block of query rows at a time, keys reversed. Returns [B, L, H, D].
 
-    Nothing [B, H, L, W] is kept: p2c is computed for one group of sequences, c2p for one block of rows, so on
-    the CPU (one sequence per group when L is large) tables and bias stay in cache. Returns [B, L, H, D].
+    In inference the tables are built as they are needed and nothing [B, H, L, W] is kept: p2c for one group
+    of sequences, c2p for one block of rows, so on the CPU (one sequence per group when L is large) tables
+    and bias stay in cache. With gradients (training off the CPU, or with p2p) the whole tables are built
+    once and each block's bias is gathered from them, so that autograd sees one table per term.
     """
     batch, heads, length, dim = query.shape
-    pos_key, pos_query = position_scores.pos_key, position_scores.pos_query
+    positions, pos_key, pos_query = position_scores.positions, position_scores.pos_key, position_scores.pos_query
+    whole = not inference
+    if whole:
+        c2p, p2c_by_row = position_scores.c2p, position_scores.p2c_for(key)
+        p2c_by_row = p2c_by_row.mT if p2c_by_row is not None else None
     context = query.new_empty(batch, length, heads, dim)
-    p2c_by_row, group = None, None
+    group = group_p2c = None
     for sequences, first, last in _tiles(query, block_elements):
-        if pos_query is not None and sequences != group:  # p2c of this group's reversed keys: k_j' . Qr[r]
-            p2c_by_row, group = position_table(key[sequences], pos_query).mT, sequences
-        c2p_rows = position_table(query[sequences, :, first:last], pos_key)  # c2p of these rows: q_i . Kr[r]
+        if whole:
+            c2p_rows = c2p[sequences, :, first:last] if c2p is not None else None
+            group_p2c = p2c_by_row[sequences] if p2c_by_row is not None else None
+        else:
+            if pos_query is not None and sequences != group:  # p2c of this group's reversed keys: k_j' . Qr[r]
+                group_p2c, group = position_table(key[sequences], pos_query).mT, sequences
+            c2p_rows = position_table(query[sequences, :, first:last], pos_key)  # c2p of these rows: q_i . Kr[r]
         group_heads = (sequences.stop - sequences.start, heads)
-        bias = _block_bias(
-            position_scores.positions, c2p_rows, p2c_by_row, position_scores.p2p, first, last, group_heads
-        )
+        bias = _block_bias(positions, c2p_rows, group_p2c, position_scores.p2p, first, last, group_heads)
         bias = bias.to(query.dtype)
         if mask is not None:
             bias.masked_fill_(~_block_mask(mask, sequences, first, last), torch.finfo(query.dtype).min)
         attended = F.scaled_dot_product_attention(
-            query[sequences, :, first:last], key[sequences], value[sequences], attn_mask=bias, scale=scaling
+            query[sequences, :, first:last],
+            key[sequences],
+            value[sequences],
+            attn_mask=bias,
+            dropout_p=dropout,
+            scale=scaling,
         )
         context[sequences, first:last] = attended.transpose(1, 2)
     return context
@@ -525,7 +493,7 @@ class BlockedAttention(torch.autograd.Function):
 
 def _attend_near_and_far(
     position_scores: PositionScores,
-    p2c_reversed: Tensor | None,
+    p2c_by_row: Tensor | None,
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -544,6 +512,7 @@ def _attend_near_and_far(
     """
     positions = position_scores.positions
     length, last = positions.length, min(first + step, positions.length)
+    c2p_rows = position_table(query[:, :, first:last], position_scores.pos_key)  # c2p of these rows: q_i . Kr[r]
     (near_low, near_high), (far_low, far_high) = positions.near, positions.far_columns
     left_end = min(length, max(0, first - near_high + 1))  # natural keys [0, left_end): i - j >= near[1]
     right_start = max(left_end, min(length, last - 1 - near_low))  # natural keys [right_start, L): i - j <= near[0]
@@ -558,12 +527,13 @@ def _attend_near_and_far(
             continue
         row_constant = 0.0
         if column is None:  # the band: dense bias
-            bias = position_scores.bias_reversed_keys(p2c_reversed, first, last, keys).to(query.dtype)
+            batch_heads = query.shape[:2]
+            bias = _block_bias(positions, c2p_rows, p2c_by_row, None, first, last, batch_heads, keys).to(query.dtype)
         else:  # c2p is q_i . Kr[column] for every key here, p2c is k_j . Qr[column]
-            if position_scores.c2p is not None:
-                row_constant = position_scores.c2p[:, :, first:last, column].float()  # [B, H, rows]
-            if p2c_reversed is not None:
-                bias = p2c_reversed[:, :, keys, column].unsqueeze(-2).to(query.dtype)  # [B, H, 1, keys]
+            if c2p_rows is not None:
+                row_constant = c2p_rows[..., column].float()  # [B, H, rows]
+            if p2c_by_row is not None:
+                bias = p2c_by_row[:, :, column, keys].unsqueeze(-2).to(query.dtype)  # [B, H, 1, keys]
             else:
                 bias = query.new_zeros(1, 1, 1, keys.stop - keys.start)
         if mask is not None:
