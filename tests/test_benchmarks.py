@@ -1,0 +1,21 @@
+"""The benchmark command runs end to end on its quick shapes (1 layer) and reports every model in every case.
+
+No timing is asserted: the numbers come from `python -m benchmarks.run` on an idle machine (README, Performance).
+"""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import run
+
+
+def test_quick_benchmark_reports_every_case_and_model(tmp_path):
+    run.main(["--quick", "--layers", "1", "--repeats", "1", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "benchmark-quick.json").read_text())
+    cases = [row["case"] for row in report["inference"] + report["training"]]
+    assert cases == ["infer 8x128 (1 layers)", "infer 2x512 (1 layers)", "train 2x128 (1 layers)"]
+    for row in report["inference"] + report["training"]:
+        assert set(row["times"]) == {"ours-eager", "ours-sdpa", "transformers-deberta", "bert-sdpa"}
+        assert all(seconds > 0 for seconds in row["times"].values())
+    assert "| infer 2x512 (1 layers) |" in report["markdown"]
