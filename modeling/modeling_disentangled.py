@@ -782,8 +782,11 @@ class DisentangledForSequenceClassification(DisentangledPreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> SequenceClassifierOutput | tuple:
+        """With packed sequences (`cu_seqlens`, see `DisentangledModel`), one logit row per sequence: [N, labels]."""
+        cu_seqlens = packed_bounds(kwargs)
+        batch = len(cu_seqlens) - 1 if cu_seqlens is not None else input_shape(input_ids, inputs_embeds)[0]
         if labels is not None:
-            validate_classification_labels(self.config, labels, batch=input_shape(input_ids, inputs_embeds)[0])
+            validate_classification_labels(self.config, labels, batch=batch)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.deberta(
             input_ids,
@@ -794,8 +797,12 @@ class DisentangledForSequenceClassification(DisentangledPreTrainedModel):
             output_attentions,
             output_hidden_states,
             return_dict=True,
+            **kwargs,  # packed sequences: cu_seqlens, or the flattening collator's cu_seq_lens_q
         )
-        logits = self.classifier(self.dropout(self.pooler(outputs.last_hidden_state)))
+        hidden_states = outputs.last_hidden_state
+        if cu_seqlens is not None:  # the pooler reads each sequence's first token: [N, 1, hidden]
+            hidden_states = hidden_states[0, list(cu_seqlens[:-1])].unsqueeze(1)
+        logits = self.classifier(self.dropout(self.pooler(hidden_states)))
         loss = _loss_for_classification(self.config, logits, labels) if labels is not None else None
         return _finish(SequenceClassifierOutput, return_dict, loss, outputs, logits=logits)
 

@@ -140,6 +140,31 @@ def test_packed_batch_matches_padded(implementation, variant):
             assert (p.grad - q.grad).abs().max().item() <= 1e-4 * scale + 1e-7, name
 
 
+def test_packed_sequence_classification_matches_padded():
+    """One logit row per packed sequence, read from its first token: logits, loss and gradients as padded."""
+    config = disentangled.DisentangledConfig(**TINY, num_labels=3)
+    torch.manual_seed(0)
+    padded_model = disentangled.DisentangledForSequenceClassification(config).eval()
+    inflate_weights(padded_model)
+    packed_model = copy.deepcopy(padded_model)
+    batch = padded_batch(100, LENGTHS)
+    inputs, _ = packed(batch)
+    labels = torch.tensor([2, 0, 1])
+
+    expected = padded_model(**batch, labels=labels)
+    actual = packed_model(**inputs, labels=labels)
+    assert actual.logits.shape == (3, 3)
+    assert max_abs_diff(actual.logits, expected.logits) <= 1e-5 * max(1.0, expected.logits.abs().max().item())
+    assert abs(actual.loss.item() - expected.loss.item()) <= 1e-5 * max(1.0, expected.loss.item())
+    expected.loss.backward()
+    actual.loss.backward()
+    for (name, p), q in zip(padded_model.named_parameters(), packed_model.parameters()):
+        if p.grad is not None:
+            assert (p.grad - q.grad).abs().max().item() <= 1e-4 * max(p.grad.abs().max().item(), 1e-6) + 1e-7, name
+    with pytest.raises(ValueError, match="labels"):
+        packed_model(**inputs, labels=torch.tensor([1, 0]))  # one label per packed sequence
+
+
 def test_flattening_collator_drives_the_token_classification_head():
     from transformers import DataCollatorWithFlattening
 
