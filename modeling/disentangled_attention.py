@@ -256,7 +256,10 @@ def eager_disentangled(
 
 
 CPU_FLASH_WITH_LSE = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-SDPA_BLOCK_ELEMENTS = 1 << 20  # bias elements per query block (4 MiB in float32): bounded, and cache-sized
+SDPA_BLOCK_ELEMENTS = 1 << 20  # bias elements per query block on the CPU (4 MiB in float32): bounded, cache-sized
+# On an accelerator the block is bounded too, but large enough that a batch takes a few kernel launches, not
+# hundreds (256 MiB in float32).
+SDPA_BLOCK_ELEMENTS_ACCELERATOR = 1 << 26
 
 
 def sdpa_disentangled(
@@ -278,7 +281,8 @@ def sdpa_disentangled(
     Attention is invariant to the order of the keys, so the result is unchanged.
     """
     batch, heads, length, _ = query.shape
-    block_elements = block_elements or SDPA_BLOCK_ELEMENTS
+    on_cpu = query.device.type == "cpu"
+    block_elements = block_elements or (SDPA_BLOCK_ELEMENTS if on_cpu else SDPA_BLOCK_ELEMENTS_ACCELERATOR)
     if position_scores is None or is_tracing():  # one dense bias: a graph compile and export can follow
         bias = position_scores.bias().to(query.dtype) if position_scores is not None else None
         if attention_mask is not None:  # finfo.min, not -inf: a fully masked row is uniform, as in eager
@@ -295,8 +299,8 @@ def sdpa_disentangled(
     tensors = (query, key, value, position_scores.pos_key, position_scores.pos_query)
     inference = not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
     positions = position_scores.positions
-    cpu = query.device.type == "cpu" and CPU_FLASH_WITH_LSE  # the log-sum-exp comes from the CPU flash kernel
-    if cpu and inference and dropout == 0 and position_scores.p2p is None and (mask is None or mask.shape[-2] == 1):
+    split = on_cpu and CPU_FLASH_WITH_LSE and inference and dropout == 0  # the CPU flash kernel gives the LSE
+    if split and position_scores.p2p is None and (mask is None or mask.shape[-2] == 1):
         near_width = min(length, positions.near[1] - positions.near[0] + 1)
         if near_width < length:  # keys beyond the buckets' reach in both directions: attention in three parts
             p2c_by_row = position_scores.p2c_for(key)
@@ -308,7 +312,7 @@ def sdpa_disentangled(
             ]
             context = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
             return context.transpose(1, 2), None
-    if not inference and query.device.type == "cpu" and position_scores.p2p is None:  # CPU training
+    if not inference and on_cpu and position_scores.p2p is None:  # CPU training
         c2p, p2c = position_scores.c2p, position_scores.p2c_for(key)
         context = BlockedAttention.apply(query, key, value, c2p, p2c, mask, positions, scaling, dropout, block_elements)
         return context, None
@@ -467,7 +471,7 @@ class BlockedAttention(torch.autograd.Function):
         scaling, dropout, positions = ctx.scaling, ctx.dropout, ctx.positions
         table_shape = (*query.shape[:3], ctx.table_width)
         grad_query, grad_key, grad_value = torch.empty_like(query), torch.zeros_like(key), torch.zeros_like(value)
-        grad_c2p = query.new_zeros(table_shape) if ctx.has_tables[0] else None
+        grad_c2p = query.new_empty(table_shape) if ctx.has_tables[0] else None  # each block zeroes its own rows
         grad_p2c = query.new_zeros(table_shape) if ctx.has_tables[1] else None
         delta = (grad_context * context).sum(-1).transpose(1, 2)  # [B, H, L]: rowsum(dO * O) = rowsum(P * dP)
         for sequences, first, last in ctx.tiles:
@@ -485,7 +489,7 @@ class BlockedAttention(torch.autograd.Function):
             grad_key[sequences] += grad_scores.mT @ (query[sequences, :, rows] * scaling)
             index = positions.hankel(first, last - first, positions.length).expand_as(grad_scores)
             if grad_c2p is not None:  # c2p[i, column[i + j']] received dS[i, j']
-                grad_c2p[sequences, :, rows].scatter_add_(-1, index, grad_scores)
+                grad_c2p[sequences, :, rows].zero_().scatter_add_(-1, index, grad_scores)
             if grad_p2c is not None:  # p2c[j', column[i + j']] received dS[i, j']
                 grad_p2c[sequences].mT.scatter_add_(-2, index, grad_scores)
         return grad_query, grad_key, grad_value, grad_c2p, grad_p2c, None, None, None, None, None
