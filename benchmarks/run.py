@@ -1,10 +1,11 @@
 """Speed and memory of our backends against transformers' DeBERTa-v2 and a same-size BERT with sdpa.
 
-    python -m benchmarks.run            # the full run behind README.md's Performance table (about an hour on 2 cores)
+    python -m benchmarks.run            # the full run behind README.md's Performance tables (about 25 min on 2 cores)
     python -m benchmarks.run --quick    # about a minute: small shapes, one repeat, no memory sweep
+    python -m benchmarks.run --device cuda --dtype bfloat16   # on a GPU (memory: allocated, capped per process)
 
 Everything is DeBERTa-v3-base-shaped (hidden 768, 12 heads, 3072 intermediate, 256 position buckets, random
-weights, float32). Our model is loaded from transformers' `DebertaV2Model` checkpoint folder, so both run the
+weights, float32 unless --dtype). Our model is loaded from transformers' `DebertaV2Model` checkpoint folder, so both run the
 same weights. Models run interleaved (one call of each, repeated), and the table reports medians and the
 ratio of each to BERT-sdpa and to transformers' DeBERTa, measured in the same run. Peak memory is measured in a
 fresh subprocess per (model, length) under an address-space cap, forward only, 1 layer, batch 1
@@ -70,7 +71,9 @@ def build_bert(layers: int) -> transformers.BertModel:
     return bert
 
 
-def build_models(layers: int, folder: Path, backends: list[str], training: bool) -> dict[str, torch.nn.Module]:
+def build_models(
+    layers: int, folder: Path, backends: list[str], training: bool, device="cpu", dtype=torch.float32
+) -> dict[str, torch.nn.Module]:
     """transformers' DebertaV2Model, ours on its weights (one per backend), and a same-size BertModel with sdpa."""
     torch.manual_seed(0)
     config = transformers.DebertaV2Config(**V3_BASE, num_hidden_layers=layers)
@@ -87,20 +90,27 @@ def build_models(layers: int, folder: Path, backends: list[str], training: bool)
     models["transformers-deberta"] = reference
     models["bert-sdpa"] = bert
     for model in models.values():
-        model.train(training)
+        model.train(training).to(device=device, dtype=dtype)
     return models
 
 
-def inputs_for(batch: int, length: int, padded: bool) -> dict[str, torch.Tensor]:
+def inputs_for(batch: int, length: int, padded: bool, device="cpu") -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(length)
     input_ids = torch.randint(1, V3_BASE["vocab_size"], (batch, length), generator=generator)
     attention_mask = torch.ones(batch, length, dtype=torch.long)
     if padded and batch > 1:  # the last row is 3/4 long, so masks are exercised
         attention_mask[-1, (3 * length) // 4 :] = 0
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
+    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def time_once(model, inputs, training: bool) -> float:
+    device = inputs["input_ids"].device
+    synchronize(device)
     start = time.perf_counter()
     if training:
         model.zero_grad(set_to_none=True)
@@ -108,12 +118,15 @@ def time_once(model, inputs, training: bool) -> float:
     else:
         with torch.inference_mode():
             model(**inputs)
+    synchronize(device)
     return time.perf_counter() - start
 
 
-def timing_case(models, batch: int, length: int, training: bool, repeats: int, warmup: int) -> dict[str, float]:
+def timing_case(
+    models, batch: int, length: int, training: bool, repeats: int, warmup: int, device="cpu"
+) -> dict[str, float]:
     """Median seconds per call for every model, interleaved: warm-up calls, then `repeats` rounds of one call each."""
-    inputs = inputs_for(batch, length, padded=True)
+    inputs = inputs_for(batch, length, padded=True, device=device)
     times = {name: [] for name in models}
     for _ in range(warmup):
         for model in models.values():
@@ -130,8 +143,9 @@ def current_rss_gib() -> float:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
-def memory_child(model_name: str, length: int, folder: str) -> None:
-    """Subprocess: load one 1-layer model, run one forward, print JSON with the peak resident memory."""
+def memory_child(model_name: str, length: int, folder: str, device: str, dtype: torch.dtype, cap_gib: float) -> None:
+    """Subprocess: load one 1-layer model, run one forward, print JSON with the peak memory: resident memory on
+    the CPU, allocated accelerator memory on CUDA (capped there with the per-process memory fraction)."""
     transformers.logging.set_verbosity_error()
     if model_name == "transformers-deberta":
         model = transformers.DebertaV2Model.from_pretrained(folder)
@@ -140,24 +154,38 @@ def memory_child(model_name: str, length: int, folder: str) -> None:
     else:
         backend = model_name.removeprefix("ours-")
         model = disentangled.DisentangledModel.from_pretrained(folder, attn_implementation=backend)
-    model.eval()
+    device = torch.device(device)
+    model.eval().to(device=device, dtype=dtype)
     gc.collect()
-    inputs = inputs_for(1, length, padded=False)
-    baseline = current_rss_gib()
+    inputs = inputs_for(1, length, padded=False, device=device)
+    cuda = device.type == "cuda"
+    if cuda:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), device)
+        torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device) / 2**30 if cuda else current_rss_gib()
     start = time.perf_counter()
     with torch.inference_mode():
         model(**inputs)
+    synchronize(device)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB
     print(json.dumps({"peak_gib": peak, "baseline_gib": baseline, "seconds": seconds}))
 
 
-def memory_case(model_name: str, length: int, cap_gib: float, folder: Path, timeout: float) -> dict:
+def memory_case(
+    model_name: str, length: int, cap_gib: float, folder: Path, timeout: float, device: str, dtype: str
+) -> dict:
     command = [sys.executable, "-m", "benchmarks.run", "--memory-child", model_name, str(length), str(folder)]
+    command += ["--device", device, "--dtype", dtype, "--memory-cap-gib", str(cap_gib)]
 
-    def cap():
-        limit = int(cap_gib * 2**30)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    def cap():  # on the CPU, an address-space cap; CUDA reserves address space, and is capped in the child
+        if not device.startswith("cuda"):
+            limit = int(cap_gib * 2**30)
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     try:
         done = subprocess.run(command, capture_output=True, text=True, preexec_fn=cap, timeout=timeout)
@@ -232,12 +260,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--memory-lengths", type=int, nargs="*", default=[1024, 2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--memory-models", nargs="*", default=None)
     parser.add_argument("--memory-timeout", type=float, default=900.0)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda where a GPU is available")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
     if args.memory_child:
         name, length, folder = args.memory_child
-        memory_child(name, int(length), folder)
+        memory_child(name, int(length), folder, args.device, dtype, args.memory_cap_gib)
         return
 
     torch.manual_seed(0)
@@ -257,7 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     report = {
         "command": "python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
-        f" ({torch.get_num_threads()} threads), transformers {transformers.__version__}, float32",
+        f" ({torch.get_num_threads()} threads), transformers {transformers.__version__}, {args.dtype}"
+        + (f", {torch.cuda.get_device_name(args.device)}" if args.device.startswith("cuda") else ""),
         "inference": [],
         "training": [],
         "memory": {},
@@ -269,10 +301,9 @@ def main(argv: list[str] | None = None) -> None:
             for training, cases in ((False, inference_cases), (True, training_cases)):
                 for layers, batch, length in cases:
                     names = [f"ours-{b}" for b in backends if not (training and b == "flex_attention")]
-                    models = build_models(
-                        layers, folder / f"l{layers}", [n.removeprefix("ours-") for n in names], training
-                    )
-                    times = timing_case(models, batch, length, training, repeats, warmup=1)
+                    backends_here = [n.removeprefix("ours-") for n in names]
+                    models = build_models(layers, folder / f"l{layers}", backends_here, training, args.device, dtype)
+                    times = timing_case(models, batch, length, training, repeats, warmup=1, device=args.device)
                     row = {
                         "case": f"{'train' if training else 'infer'} {batch}x{length} ({layers} layers)",
                         "times": times,
@@ -292,7 +323,15 @@ def main(argv: list[str] | None = None) -> None:
             for name in model_names:
                 report["memory"][name] = {}
                 for length in args.memory_lengths:
-                    result = memory_case(name, length, args.memory_cap_gib, folder / "memory", args.memory_timeout)
+                    result = memory_case(
+                        name,
+                        length,
+                        args.memory_cap_gib,
+                        folder / "memory",
+                        args.memory_timeout,
+                        args.device,
+                        args.dtype,
+                    )
                     report["memory"][name][length] = result
                     print(name, length, result, flush=True)
                     if not result["ok"]:

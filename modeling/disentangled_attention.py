@@ -481,7 +481,7 @@ class BlockedAttention(torch.autograd.Function):
             grad_probs = grad_out @ value[sequences].mT  # dP of the probabilities after dropout
             dropped = block_probs
             if keep is not None:
-                block_keep = keep[sequences, :, rows] * (1 / (1 - dropout))
+                block_keep = keep[sequences, :, rows].to(block_probs.dtype) * (1 / (1 - dropout))
                 dropped, grad_probs = block_probs * block_keep, grad_probs * block_keep
             grad_value[sequences] += dropped.mT @ grad_out
             grad_scores = block_probs * (grad_probs - delta[sequences, :, rows, None])  # dS, softmax's backward

@@ -288,3 +288,20 @@ def test_blocked_attention_matches_the_dense_formula():
         assert (actual - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
         for name, got, want in zip(("query", "key", "value", "c2p", "p2c"), actual_grads, expected_grads):
             assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item()), name
+
+
+def test_blocked_attention_in_bfloat16_with_dropout():
+    """bfloat16 in, bfloat16 gradients out, close to float32 with the same dropout mask (a model cast to bf16)."""
+    *tensors, keep, positions = blocked_attention_inputs(torch.float32, length=20)
+    low = [t.detach().bfloat16().requires_grad_() for t in tensors]
+    results = []
+    for inputs in (tensors, low):
+        torch.manual_seed(5)
+        context = backends.BlockedAttention.apply(*inputs, keep, positions, 0.3, 0.2, 2 * 3 * 20 * 7)
+        grads = torch.autograd.grad(context.float().square().sum(), inputs)
+        results.append((context, grads))
+    (context, grads), (low_context, low_grads) = results
+    assert low_context.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in low_grads)
+    assert (low_context.float() - context).abs().max() <= 6e-2 * max(1.0, context.abs().max().item())
+    for got, want in zip(low_grads, grads):
+        assert (got.float() - want).abs().max() <= 6e-2 * max(1.0, want.abs().max().item())

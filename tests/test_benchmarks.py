@@ -19,3 +19,16 @@ def test_quick_benchmark_reports_every_case_and_model(tmp_path):
         assert set(row["times"]) == {"ours-eager", "ours-sdpa", "transformers-deberta", "bert-sdpa"}
         assert all(seconds > 0 for seconds in row["times"].values())
     assert "| infer 2x512 (1 layers) |" in report["markdown"]
+
+
+def test_benchmark_memory_child_and_low_precision(tmp_path):
+    """bfloat16 timings and one memory point (a capped subprocess) run and report."""
+    run.main(
+        ["--quick", "--layers", "1", "--repeats", "1", "--dtype", "bfloat16", "--no-eager", "--out", str(tmp_path)]
+    )
+    report = json.loads((tmp_path / "benchmark-quick.json").read_text())
+    assert "bfloat16" in report["machine"] and len(report["inference"]) == 2
+    folder = tmp_path / "checkpoint"
+    run.build_models(1, folder, [], False)
+    result = run.memory_case("ours-sdpa", 256, 16.0, folder, 300.0, "cpu", "float32")
+    assert result["ok"] and result["peak_gib"] >= result["baseline_gib"] > 0
