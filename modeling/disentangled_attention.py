@@ -40,6 +40,7 @@ the backend needs them. Then:
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -565,6 +566,8 @@ def compiled_flex_attention():
 
 
 FLEX_BLOCK_SIZE = 128
+# Tiles need a block mask that knows the sequence lengths (torch >= 2.6); older torch runs one tile.
+FLEX_TILES = BlockMask is not None and "seq_lengths" in inspect.signature(BlockMask.from_kv_blocks).parameters
 
 
 def full_block_mask(query_length: int, key_length: int, device) -> BlockMask:
@@ -629,7 +632,7 @@ def flex_disentangled(
 
     compiled = FLEX_COMPILED if compiled is None else compiled
     attend = compiled_flex_attention() if compiled else _flex_attention
-    blocks = full_block_mask(length, key.shape[-2], query.device) if compiled else None
+    blocks = full_block_mask(length, key.shape[-2], query.device) if compiled and FLEX_TILES else None
     context = attend(query, key, value, score_mod=score_mod, block_mask=blocks, scale=scaling)
     return context.transpose(1, 2), None
 
