@@ -32,3 +32,11 @@ def test_benchmark_memory_child_and_low_precision(tmp_path):
     run.build_models(1, folder, [], False)
     result = run.memory_case("ours-sdpa", 256, 16.0, folder, 300.0, "cpu", "float32")
     assert result["ok"] and result["peak_gib"] >= result["baseline_gib"] > 0
+
+
+def test_profile_command_prints_the_operator_table(capsys):
+    from benchmarks import profile
+
+    profile.main(["--model", "ours-sdpa", "--batch", "1", "--length", "64", "--train"])
+    printed = capsys.readouterr().out
+    assert "ours-sdpa, train 1x64, 1 layer(s)" in printed and "BlockedAttention" in printed
