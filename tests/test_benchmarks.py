@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import run
 
 
@@ -40,3 +42,29 @@ def test_profile_command_prints_the_operator_table(capsys):
     profile.main(["--model", "ours-sdpa", "--batch", "1", "--length", "64", "--train"])
     printed = capsys.readouterr().out
     assert "ours-sdpa, train 1x64, 1 layer(s)" in printed and "BlockedAttention" in printed
+
+
+def test_device_check_passes_on_the_cpu_and_catches_a_wrong_term(monkeypatch, capsys):
+    """The prepared accelerator check, run on the CPU (flex through its dense reference): it passes, and a
+    backend that drops the p2c term fails it."""
+    from benchmarks import device_check
+    from disentangled.modeling import disentangled_attention as backends
+
+    monkeypatch.setattr(backends, "FLEX_COMPILED", False)
+    with pytest.raises(SystemExit) as passed:
+        device_check.main(["--device", "cpu", "--no-benchmark"])
+    assert passed.value.code == 0 and capsys.readouterr().out.count(": ok") == 2
+
+    sdpa = backends.DISENTANGLED_ATTENTION_FUNCTIONS["sdpa"]
+
+    def without_p2c(module, query, key, value, attention_mask, scaling, dropout=0.0, position_scores=None, **kwargs):
+        if position_scores is not None:
+            position_scores = backends.PositionScores(
+                query, key, position_scores.pos_key, None, position_scores.p2p, position_scores.positions
+            )
+        return sdpa(module, query, key, value, attention_mask, scaling, dropout, position_scores, **kwargs)
+
+    monkeypatch.setitem(backends.DISENTANGLED_ATTENTION_FUNCTIONS, "sdpa", without_p2c)
+    with pytest.raises(SystemExit) as failed:
+        device_check.main(["--device", "cpu", "--no-benchmark"])
+    assert failed.value.code == 1 and "FAIL" in capsys.readouterr().out
