@@ -43,7 +43,7 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -162,14 +162,21 @@ def position_table(content: Tensor, rows: Tensor | None) -> Tensor | None:
     return torch.einsum("bhld,hrd->bhlr", content, rows) if rows is not None else None
 
 
+def p2c_by_row(key: Tensor, pos_query: Tensor | None) -> Tensor | None:
+    """The p2c table of `key` read by table row: [B, H, W, L], a transposed view of k_j . Qr[r], so that
+    gathering along its rows gives a bias in [i, j'] order directly."""
+    table = position_table(key, pos_query)
+    return table.mT if table is not None else None
+
+
 @dataclass
 class PositionScores:
     """One layer's position terms: the content streams and the projected relative rows, scaled.
 
     `pos_key` (Kr) and `pos_query` (Qr) are the reachable relative rows through the key and query
     projections, [H, W, D], the scaling folded in; each is None when its term (c2p, p2c) is off. The tables
-    c2p[b, h, i, r] = q_i . Kr[r] and p2c[b, h, j, r] = k_j . Qr[r] ([B, H, L, W]) are computed on first use,
-    so that a backend that builds them block by block never holds them whole.
+    c2p[b, h, i, r] = q_i . Kr[r] and p2c[b, h, j, r] = k_j . Qr[r] ([B, H, L, W]) are computed where a
+    backend asks for them (`position_table`), so that one that builds them block by block never holds them whole.
     p2p[h, d + L - 1] = Qr[δ(d)] . Kr[δ(-d)] * scaling for each distance d = i - j ([H, 2L - 1]: by distance, not
     by bucket, since where distances are clipped one bucket of δ(i, j) meets two buckets of δ(j, i)), or None.
     """
@@ -181,34 +188,23 @@ class PositionScores:
     p2p: Tensor | None
     positions: RelativePositions
 
-    _tables: dict = field(default_factory=dict, repr=False)  # c2p and p2c once built
-
     @property
     def c2p(self) -> Tensor | None:
-        """[B, H, L, W]: q_i . Kr[r], built on first use."""
-        if "c2p" not in self._tables:
-            self._tables["c2p"] = position_table(self.query, self.pos_key)
-        return self._tables["c2p"]
+        """[B, H, L, W]: q_i . Kr[r], computed on each access."""
+        return position_table(self.query, self.pos_key)
 
     @property
     def p2c(self) -> Tensor | None:
-        """[B, H, L, W]: k_j . Qr[r], built on first use."""
-        return self.p2c_for(self.key)
-
-    def p2c_for(self, key: Tensor) -> Tensor | None:
-        """The p2c table of these keys (the stored ones, or the same reversed): [B, H, L, W], k_j . Qr[r]."""
-        if key is not self.key:
-            return position_table(key, self.pos_query)
-        if "p2c" not in self._tables:
-            self._tables["p2c"] = position_table(self.key, self.pos_query)
-        return self._tables["p2c"]
+        """[B, H, L, W]: k_j . Qr[r], computed on each access."""
+        return position_table(self.key, self.pos_query)
 
     def bias(self, rows: slice = slice(None)) -> Tensor | float:
         """The summed position terms for query rows `rows`: [B or 1, H, len(rows), L]. The reference."""
         distance = self.positions.distance(rows)  # [len(rows), L]: i - j + L - 1
         rel_index = self.positions.column[distance]  # [len(rows), L] columns of δ(i, j)
-        c2p = gather_relative(self.c2p[:, :, rows], rel_index) if self.c2p is not None else 0.0  # q_i . Kr[δ(i,j)]
-        p2c = gather_relative(self.p2c, rel_index.T).mT if self.p2c is not None else 0.0  # k_j . Qr[δ(i,j)]
+        c2p, p2c = self.c2p, self.p2c
+        c2p = gather_relative(c2p[:, :, rows], rel_index) if c2p is not None else 0.0  # q_i . Kr[δ(i,j)]
+        p2c = gather_relative(p2c, rel_index.T).mT if p2c is not None else 0.0  # k_j . Qr[δ(i,j)]
         p2p = self.p2p[:, distance].unsqueeze(0) if self.p2p is not None else 0.0  # Qr[δ(i,j)] . Kr[δ(j,i)]
         return c2p + p2c + p2p
 
@@ -304,17 +300,16 @@ def sdpa_disentangled(
     if split and position_scores.p2p is None and (mask is None or mask.shape[-2] == 1):
         near_width = min(length, positions.near[1] - positions.near[0] + 1)
         if near_width < length:  # keys beyond the buckets' reach in both directions: attention in three parts
-            p2c_by_row = position_scores.p2c_for(key)
-            p2c_by_row = p2c_by_row.mT if p2c_by_row is not None else None
+            p2c_rows = p2c_by_row(key, position_scores.pos_query)
             step = max(1, min(length, block_elements // max(1, batch * heads * near_width)))
             blocks = [
-                _attend_near_and_far(position_scores, p2c_by_row, query, key, value, mask, scaling, first, step)
+                _attend_near_and_far(position_scores, p2c_rows, query, key, value, mask, scaling, first, step)
                 for first in range(0, length, step)
             ]
             context = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
             return context.transpose(1, 2), None
     if not inference and on_cpu and position_scores.p2p is None:  # CPU training
-        c2p, p2c = position_scores.c2p, position_scores.p2c_for(key)
+        c2p, p2c = position_scores.c2p, position_table(key, position_scores.pos_query)  # p2c of the reversed keys
         context = BlockedAttention.apply(query, key, value, c2p, p2c, mask, positions, scaling, dropout, block_elements)
         return context, None
     context = _attend_in_blocks(position_scores, query, key, value, mask, scaling, dropout, block_elements, inference)
@@ -340,7 +335,7 @@ def _tiles(query: Tensor, block_elements: int) -> list[tuple[slice, int, int]]:
 def _block_bias(
     positions: RelativePositions,
     c2p_rows: Tensor | None,
-    p2c_by_row: Tensor | None,
+    p2c_rows: Tensor | None,
     p2p: Tensor | None,
     first: int,
     last: int,
@@ -350,16 +345,15 @@ def _block_bias(
     """The position terms of query rows [first, last) against reversed keys `keys` (all by default), summed in
     place: [g, H, n, len(keys)].
 
-    `c2p_rows` is c2p of those rows ([g, H, n, W]); `p2c_by_row` the p2c table of the reversed keys read by
-    table row ([g, H, W, L], a transposed view), so that gathering along its rows gives [i, j'] order directly.
-    Both read column[i + j'], a Hankel view of the by-distance column (no index tensor is built).
+    `c2p_rows` is c2p of those rows ([g, H, n, W]); `p2c_rows` the p2c table of the reversed keys read by
+    table row ([g, H, W, L], `p2c_by_row`). Both read column[i + j'], a Hankel view of the by-distance column (no index tensor is built).
     """
     keys = keys if keys is not None else slice(0, positions.length)
     width = keys.stop - keys.start
     index = positions.hankel(first + keys.start, last - first, width).expand(*batch_heads, last - first, width)
     bias = c2p_rows.gather(-1, index) if c2p_rows is not None else None  # c2p: q_i . Kr[δ(i,j)]
-    if p2c_by_row is not None:  # p2c: k_j . Qr[δ(i,j)]
-        p2c = p2c_by_row[..., keys].gather(-2, index)
+    if p2c_rows is not None:  # p2c: k_j . Qr[δ(i,j)]
+        p2c = p2c_rows[..., keys].gather(-2, index)
         bias = p2c if bias is None else bias.add_(p2c)
     if p2p is not None:  # Qr[δ(i,j)] . Kr[δ(j,i)], by distance: index first + a + b, a view as well
         offset = p2p.storage_offset() + first + keys.start
@@ -394,19 +388,17 @@ def _attend_in_blocks(
     """
     batch, heads, length, dim = query.shape
     positions, pos_key, pos_query = position_scores.positions, position_scores.pos_key, position_scores.pos_query
-    whole = not inference
-    if whole:
-        c2p, p2c_by_row = position_scores.c2p, position_scores.p2c_for(key)
-        p2c_by_row = p2c_by_row.mT if p2c_by_row is not None else None
+    if not inference:
+        c2p, p2c = position_scores.c2p, p2c_by_row(key, pos_query)
     context = query.new_empty(batch, length, heads, dim)
     group = group_p2c = None
     for sequences, first, last in _tiles(query, block_elements):
-        if whole:
+        if not inference:
             c2p_rows = c2p[sequences, :, first:last] if c2p is not None else None
-            group_p2c = p2c_by_row[sequences] if p2c_by_row is not None else None
+            group_p2c = p2c[sequences] if p2c is not None else None
         else:
             if pos_query is not None and sequences != group:  # p2c of this group's reversed keys: k_j' . Qr[r]
-                group_p2c, group = position_table(key[sequences], pos_query).mT, sequences
+                group_p2c, group = p2c_by_row(key[sequences], pos_query), sequences
             c2p_rows = position_table(query[sequences, :, first:last], pos_key)  # c2p of these rows: q_i . Kr[r]
         group_heads = (sequences.stop - sequences.start, heads)
         bias = _block_bias(positions, c2p_rows, group_p2c, position_scores.p2p, first, last, group_heads)
@@ -448,8 +440,8 @@ class BlockedAttention(torch.autograd.Function):
                 rows = slice(first, last)
                 scores = (query[sequences, :, rows] * scaling) @ key[sequences].mT  # c2c: q_i . k_j
                 c2p_rows = c2p[sequences, :, rows] if c2p is not None else None
-                p2c_by_row = p2c[sequences].mT if p2c is not None else None
-                scores += _block_bias(positions, c2p_rows, p2c_by_row, None, first, last, scores.shape[:2])  # c2p, p2c
+                p2c_rows = p2c[sequences].mT if p2c is not None else None  # read by table row
+                scores += _block_bias(positions, c2p_rows, p2c_rows, None, first, last, scores.shape[:2])  # c2p, p2c
                 if mask is not None:
                     scores.masked_fill_(~_block_mask(mask, sequences, first, last), torch.finfo(scores.dtype).min)
                 block_probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
@@ -498,7 +490,7 @@ class BlockedAttention(torch.autograd.Function):
 
 def _attend_near_and_far(
     position_scores: PositionScores,
-    p2c_by_row: Tensor | None,
+    p2c_rows: Tensor | None,
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -533,12 +525,12 @@ def _attend_near_and_far(
         row_constant = 0.0
         if column is None:  # the band: dense bias
             batch_heads = query.shape[:2]
-            bias = _block_bias(positions, c2p_rows, p2c_by_row, None, first, last, batch_heads, keys).to(query.dtype)
+            bias = _block_bias(positions, c2p_rows, p2c_rows, None, first, last, batch_heads, keys).to(query.dtype)
         else:  # c2p is q_i . Kr[column] for every key here, p2c is k_j . Qr[column]
             if c2p_rows is not None:
                 row_constant = c2p_rows[..., column].float()  # [B, H, rows]
-            if p2c_by_row is not None:
-                bias = p2c_by_row[:, :, column, keys].unsqueeze(-2).to(query.dtype)  # [B, H, 1, keys]
+            if p2c_rows is not None:
+                bias = p2c_rows[:, :, column, keys].unsqueeze(-2).to(query.dtype)  # [B, H, 1, keys]
             else:
                 bias = query.new_zeros(1, 1, 1, keys.stop - keys.start)
         if mask is not None:
