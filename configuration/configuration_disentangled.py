@@ -227,6 +227,7 @@ class DisentangledConfig(PretrainedConfig):
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
         """Also reads a transformers `deberta-v2` config.json, where an absent field has DebertaV2's meaning."""
+        reject_deberta_v1(config_dict)
         if config_dict.get("model_type") == "deberta-v2":
             config_dict = {**DEBERTA_V2_ABSENT_DEFAULTS, **config_dict}
             config_dict.pop("model_type")
@@ -260,3 +261,13 @@ def _require_positive_int(name: str, value) -> None:
 
 
 __all__ = ["DisentangledConfig"]
+
+
+def reject_deberta_v1(config_dict: dict) -> None:
+    """A v1 folder (`model_type: deberta`) stores fused `in_proj` weights and clips distances unlike v2's defaults:
+    loading it as is would leave the attention randomly initialised, so say how to convert it instead."""
+    if config_dict.get("model_type") == "deberta":
+        raise ValueError(
+            "this is a DeBERTa v1 checkpoint (model_type 'deberta', fused in_proj weights), which this architecture "
+            "does not load directly: convert it first with `disentangled convert SOURCE OUTPUT` and load OUTPUT"
+        )

@@ -76,3 +76,16 @@ def test_in_proj_is_split_head_by_head():
 def test_talking_head_is_rejected():
     with pytest.raises(ValueError, match="talking_head"):
         disentangled.DisentangledConfig(talking_head=True)
+
+
+@pytest.mark.parametrize(
+    "ours_class", [disentangled.DisentangledModel, disentangled.DisentangledForSequenceClassification]
+)
+def test_v1_folder_loaded_directly_fails_with_one_line_naming_convert(tmp_path, ours_class):
+    """A v1 folder through `from_pretrained` would load with random attention weights: it must say to convert."""
+    reference, _ = build_v1_pair(V1_SHAPES["deberta-base"], "Model")
+    reference.save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as error:
+        ours_class.from_pretrained(tmp_path)
+    message = str(error.value)
+    assert "\n" not in message and "disentangled convert" in message and "v1" in message
