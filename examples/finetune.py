@@ -164,6 +164,16 @@ def add_remote_code(model, output_dir: str) -> None:
     saved_config.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def portable_tokenizer(tokenizer, output_dir: str) -> None:
+    """Make the saved tokenizer load on transformers 4.57 too, as the model does (see make_tokenizer_portable)."""
+    try:
+        from disentangled.tokenization import make_tokenizer_portable
+    except ImportError:
+        logger.warning("disentangled is not installed: the saved tokenizer may not load on transformers 4.57")
+        return
+    make_tokenizer_portable(output_dir, tokenizer)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
@@ -226,6 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.save_model()  # the model and the tokenizer, on the main process
         if trainer.is_world_process_zero():
             add_remote_code(trainer.model, training_args.output_dir)
+            portable_tokenizer(tokenizer, training_args.output_dir)
         trainer.log_metrics("train", train_result.metrics)
         trainer.save_metrics("train", train_result.metrics)
         trainer.save_state()

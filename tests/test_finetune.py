@@ -6,13 +6,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from finetune_helpers import fresh_process_check, pretrained_folder, run_finetune, sentiment_files, tagging_files
-from tiny_models import tiny_config, tokenizer
+from tiny_models import export_remote_code, tiny_config, tokenizer
+from transformers import AutoTokenizer, Trainer, TrainingArguments
 
 from disentangled import DisentangledForSequenceClassification
+from disentangled.tokenization import make_tokenizer_portable
 
 
 def losses(log_history: list[dict]) -> dict[int, float]:
@@ -115,3 +118,63 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
     assert "deberta.encoder.rel_embeddings.weight" in checkpointed  # reaches the relative embeddings too
     for name, grad in reference.items():
         torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+TEXTS = ["we love this great story", "the movie was [MASK] terrible", "[CLS] [SEP] [PAD] [UNK]"]
+
+
+def load_in_4_57(folder, tmp_path) -> dict:
+    """The folder loaded where transformers 4.57 is installed and the package is not: tokenizer, model, outputs."""
+    from isolated import PYTHON_4_57, run_isolated
+
+    if not PYTHON_4_57.exists():
+        pytest.skip(f"no transformers 4.57 environment at {PYTHON_4_57} (.ci/run creates it)")
+    (tmp_path / "texts.json").write_text(json.dumps(TEXTS))
+    child = Path(__file__).with_name("load_saved_folder.py")
+    result = run_isolated(PYTHON_4_57, child, [str(folder), str(tmp_path / "texts.json")], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.split("REPORT ", 1)[1])
+    assert report["transformers"].startswith("4.57."), report["transformers"]
+    return report
+
+
+def test_a_folder_saved_by_finetune_loads_on_transformers_4_57(tmp_path):
+    """Model and tokenizer: the same ids and logits on 4.57 (remote code, no package) as here."""
+    train, _ = sentiment_files(tmp_path, train=16)
+    output = tmp_path / "out"
+    run_finetune(
+        "--model_name_or_path", pretrained_folder(tmp_path / "model"), "--train_file", train,
+        "--output_dir", output, "--do_train", "--max_steps", 1, "--save_strategy", "no",
+    )  # fmt: skip
+    saved = json.loads((output / "tokenizer_config.json").read_text())
+    assert not isinstance(saved.get("extra_special_tokens"), list) and (output / "spm.model").is_file()
+    report = load_in_4_57(output, tmp_path)
+    here = AutoTokenizer.from_pretrained(output, trust_remote_code=True)
+    model = DisentangledForSequenceClassification.from_pretrained(output).eval()
+    assert report["ids"] == [here(text)["input_ids"] for text in TEXTS]
+    with torch.no_grad():
+        logits = model(**here(TEXTS, padding=True, return_tensors="pt")).logits
+    torch.testing.assert_close(torch.tensor(report["logits"]), logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["as-saved", "made-portable"])
+def test_trainer_saved_tokenizer_on_transformers_4_57(tmp_path, portable):
+    """`Trainer.save_model` with our tokenizer, as transformers 5 writes it, fails on 4.57 (the check can fail);
+    after make_tokenizer_portable it loads there with the same ids."""
+    folder = pretrained_folder(tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = DisentangledForSequenceClassification(tiny_config(tokenizer, num_labels=2))
+    args = TrainingArguments(tmp_path / "trainer", report_to="none", use_cpu=True)
+    trainer = Trainer(model=model, args=args, processing_class=tokenizer)
+    trainer.save_model(tmp_path / "saved")
+    export_remote_code(tmp_path / "saved")
+    if not portable:
+        saved = json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())
+        if not isinstance(saved.get("extra_special_tokens"), list):
+            pytest.skip("this transformers writes no extra_special_tokens list: nothing to show")
+        with pytest.raises(AssertionError, match="has no attribute 'keys'"):
+            load_in_4_57(tmp_path / "saved", tmp_path)
+        return
+    make_tokenizer_portable(tmp_path / "saved", tokenizer)
+    report = load_in_4_57(tmp_path / "saved", tmp_path)
+    assert report["ids"] == [tokenizer(text)["input_ids"] for text in TEXTS]
