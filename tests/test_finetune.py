@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpointing import FLAG, NO_OLD_NAMES, enable_checkpointing
 from finetune_helpers import fresh_process_check, pretrained_folder, run_finetune, sentiment_files, tagging_files
 from tiny_models import export_remote_code, tiny_config, tokenizer
 from transformers import AutoTokenizer, Trainer, TrainingArguments
@@ -82,18 +83,20 @@ def test_resume_from_checkpoint_gives_the_same_losses(tmp_path):
     assert resumed["train"]["train_loss"] == pytest.approx(sum(full[step] for step in (4, 5, 6)) / 3, rel=1e-3)
 
 
+@NO_OLD_NAMES
 def test_gradient_checkpointing_bf16_and_accumulation_train_on_cpu(tmp_path):
     train, _ = sentiment_files(tmp_path, train=64)
     results = run_finetune(
         "--model_name_or_path", pretrained_folder(tmp_path / "model"), "--train_file", train,
         "--output_dir", tmp_path / "out", "--do_train", "--max_steps", 3, "--logging_steps", 1,
-        "--per_device_train_batch_size", 8, "--save_strategy", "no", "--gradient_checkpointing", "--bf16", "--gradient_accumulation_steps", 2,
+        "--per_device_train_batch_size", 8, "--save_strategy", "no", FLAG, "--bf16", "--gradient_accumulation_steps", 2,
     )  # fmt: skip
     logged = list(losses(results["log_history"]).values())
     assert len(logged) == 3 and all(torch.isfinite(torch.tensor(loss)) for loss in logged)
     assert abs(logged[0] - 0.693) < 0.05  # ln 2, averaged over the accumulated micro-batches (not summed)
 
 
+@NO_OLD_NAMES
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
     torch.manual_seed(0)
@@ -111,7 +114,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
         return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
     reference = gradients()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    enable_checkpointing(model, use_reentrant)
     assert model.deberta.encoder.layer[0].gradient_checkpointing
     checkpointed = gradients()
     assert checkpointed.keys() == reference.keys()

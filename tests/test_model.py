@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from checkpointing import NO_OLD_NAMES, enable_checkpointing
 from deberta_shapes import V2_SHAPES
 from parity import inflate_weights, padded_batch
 
@@ -131,6 +132,7 @@ def gradients(model, batch) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
+@NO_OLD_NAMES
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
     # norm_rel_ebd="layer_norm": the relative embeddings are normalised outside the checkpointed layers,
@@ -139,7 +141,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
     inflate_weights(model)
     batch = padded_batch(128, [20, 13])
     expected = gradients(model, batch)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    enable_checkpointing(model, use_reentrant)
     actual = gradients(model, batch)
     assert expected.keys() == actual.keys()
     assert any("rel_embeddings" in name for name in actual) and any("encoder.LayerNorm" in name for name in actual)
