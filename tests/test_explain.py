@@ -38,6 +38,7 @@ CONFIGS = {
     ),  # 20 tokens: clipped
     "p2p_separate_keys": dict(V3, share_att_key=False, pos_att_type="c2p|p2c|p2p"),
     "p2p_shared_key": dict(V3, pos_att_type="p2c|c2p|p2p"),
+    "p2p_saturated": dict(V3, pos_att_type="c2p|p2c|p2p", position_buckets=4, max_relative_positions=6),  # clipped
     "no_relative_attention": dict(V3, relative_attention=False, position_biased_input=True),
 }
 LENGTHS = [20, 13]  # padded; 20 tokens reach the log buckets of position_buckets=8
