@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from .convert import DTYPES, TASKS
+from .convert import DTYPES
+from .tasks import TASKS
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,29 +22,9 @@ from torch import Tensor, nn
 
 from .bundle import auto_map, write_bundle
 from .deberta_v1 import convert_v1_config, convert_v1_state_dict
+from .model_card import write_model_card
 from .sources import SUPPORTED_MODEL_TYPES, Source, read_source
-
-TOLERANCE = 1e-4  # float32: max |ours - transformers| <= TOLERANCE * max(1, max |transformers|), per output
-
-
-@dataclass(frozen=True)
-class Head:
-    suffix: str  # class name after "Disentangled" / "DebertaV2" / "Deberta"
-    auto_class: str
-    pipeline_tag: str | None
-
-
-TASKS = {
-    "base": Head("Model", "AutoModel", "feature-extraction"),
-    "masked-lm": Head("ForMaskedLM", "AutoModelForMaskedLM", "fill-mask"),
-    "sequence-classification": Head(
-        "ForSequenceClassification", "AutoModelForSequenceClassification", "text-classification"
-    ),
-    "token-classification": Head("ForTokenClassification", "AutoModelForTokenClassification", "token-classification"),
-    "question-answering": Head("ForQuestionAnswering", "AutoModelForQuestionAnswering", "question-answering"),
-    "multiple-choice": Head("ForMultipleChoice", "AutoModelForMultipleChoice", None),
-}
-TRANSFORMERS_PREFIX = {"deberta": "Deberta", "deberta-v2": "DebertaV2"}
+from .tasks import TASKS, TOLERANCE, TRANSFORMERS_PREFIX
 
 # Source key -> transformers key; first match wins. Microsoft's package prefixes its encoder with "bert." or
 # "deberta.", or not at all; its MLM head (`lm_predictions.lm_head.*`) is already DeBERTa-v3's legacy=False layout.
@@ -392,7 +372,6 @@ def convert(
     """Convert `source` (a folder or Hub repo id) into `output_dir`; raises ValueError when parity fails."""
     from disentangled import modeling
 
-    from .model_card import write_model_card
     from .tokenizer_files import copy_tokenizer
 
     local_source = Path(source).expanduser()

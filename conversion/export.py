@@ -13,7 +13,6 @@ from pathlib import Path
 import transformers
 
 from .convert import (
-    TASKS,
     compare,
     fixed_batch,
     format_figures,
@@ -24,6 +23,7 @@ from .convert import (
     within_tolerance,
 )
 from .sources import TOKENIZER_FILES, load_weights, resolve_folder
+from .tasks import TASKS
 
 OPTIONAL = ("embedding_size", "attention_head_size", "pooler_hidden_size", "cls_dropout")
 DROPPED_FIELDS = ("model_type", "auto_map", "architectures", "transformers_version", "dtype", "torch_dtype")

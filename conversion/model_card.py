@@ -8,6 +8,7 @@ from pathlib import Path
 import transformers
 
 from .sources import Source
+from .tasks import TASKS, TOLERANCE, TRANSFORMERS_PREFIX
 
 EXAMPLE_TEXT = "Paris is the capital of France."
 TAGS = ["custom_code", "deberta", "disentangled-attention"]
@@ -30,8 +31,6 @@ def render_model_card(
     from huggingface_hub import ModelCard, ModelCardData
 
     from disentangled import __version__
-
-    from .convert import TASKS, TOLERANCE, TRANSFORMERS_PREFIX
 
     head = TASKS[checkpoint.task]
     card_data = ModelCardData(

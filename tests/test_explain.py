@@ -15,8 +15,9 @@ from spm_fixture import train_spm
 from test_p2p import bucket
 
 from disentangled import DisentangledConfig, DisentangledForMaskedLM, DisentangledModel
+from disentangled.attention_terms import STATISTICS
 from disentangled.cli import main
-from disentangled.explain import STATISTICS, explain_attention
+from disentangled.explain import explain_attention
 
 SMALL = dict(
     vocab_size=128,
