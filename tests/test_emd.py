@@ -1,11 +1,10 @@
 """The Enhanced Mask Decoder against a reference built by hand from the model's public weights.
 
-The reference follows Microsoft's `EnhancedMaskDecoder.emd_context_layer` and `DisentangledSelfAttention`
-(microsoft/DeBERTa): H is the last layer's input, the query stream starts as Z + H (Z: rows of the absolute table),
-and the last layer runs twice, queries from the stream, keys and values from H; the MLM head reads the second
-output. The layer is written out term by term here (projections, relative indices from the bucketing formula,
-c2p and p2c gathered Microsoft's way, a pairwise mask, output and feed-forward sublayers): it never calls a module
-of the model, only reads its weights. Padded batches; outputs compared at real positions (float32, 1e-5 relative)
+The reference (`emd_reference.py`) follows Microsoft's `EnhancedMaskDecoder.emd_context_layer` and
+`DisentangledSelfAttention` (microsoft/DeBERTa): H is the last layer's input, the query stream starts as Z + H (Z: rows
+of the absolute table), and the last layer runs twice, queries from the stream, keys and values from H; the MLM head
+reads the second output. The layer is written out term by term there; it never calls a module of the model, only
+reads its weights. Padded batches; outputs compared at real positions (float32, 1e-5 relative)
 and every parameter's gradient (1e-4), the absolute table and the last layer included.
 
 Reproduce the figures: `python -m pytest -q -s tests/test_emd.py`.
@@ -14,10 +13,10 @@ Reproduce the figures: `python -m pytest -q -s tests/test_emd.py`.
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
+from emd_reference import Spec, emd_states, layer_norm, mlm_logits, prefixed
 from parity import gradient_mismatches, inflate_weights, max_abs_diff, padded_batch
 
 import disentangled
@@ -63,106 +62,29 @@ CONFIGS = {
 LENGTHS = [300, 171]  # 300 passes the 128 exact buckets of v3, and the v1 clip of 16
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The reference, from the formula
-
-
-def log_bucket_position(rel: torch.Tensor, bucket_size: int, max_position: int) -> torch.Tensor:
-    """Microsoft's `make_log_bucket_position`: exact within bucket_size // 2, logarithmic beyond."""
-    sign = torch.sign(rel)
-    mid = bucket_size // 2
-    abs_pos = torch.where((rel < mid) & (rel > -mid), torch.full_like(rel, mid - 1), rel.abs())
-    log_pos = torch.ceil(torch.log(abs_pos / mid) / math.log((max_position - 1) / mid) * (mid - 1)) + mid
-    return torch.where(abs_pos <= mid, rel, log_pos * sign).long()
-
-
-def relative_position(config, length: int) -> torch.Tensor:
-    """[L, L]: the (bucketed) i - j."""
-    rel = (torch.arange(length)[:, None] - torch.arange(length)[None, :]).double()
-    if config.position_buckets > 0:
-        reach = config.max_relative_positions if config.max_relative_positions > 0 else config.max_position_embeddings
-        return log_bucket_position(rel, config.position_buckets, reach)
-    return rel.long()
-
-
-def linear(x: torch.Tensor, module) -> torch.Tensor:
-    return x @ module.weight.T + module.bias
-
-
-def layer_norm(x: torch.Tensor, module) -> torch.Tensor:
-    mean = x.mean(-1, keepdim=True)
-    var = (x - mean).pow(2).mean(-1, keepdim=True)
-    return (x - mean) / torch.sqrt(var + module.eps) * module.weight + module.bias
-
-
-def gelu(x: torch.Tensor) -> torch.Tensor:
-    return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
-
-
-def reference_layer(model, layer, hidden: torch.Tensor, query_states: torch.Tensor, input_mask: torch.Tensor):
-    """One run of `layer` with queries from `query_states` and keys/values from `hidden`, Microsoft's way."""
-    config = model.config
-    attention = layer.attention.self
-    heads, head_dim = config.num_attention_heads, config.head_size
-    batch, length, _ = hidden.shape
-
-    def split(x):  # [B, L, H * D] or [W, H * D] -> [B, H, L, D] or [H, W, D]
-        return x.view(*x.shape[:-1], heads, head_dim).transpose(-3, -2)
-
-    query = split(linear(query_states, attention.query_proj))
-    key = split(linear(hidden, attention.key_proj))
-    value = split(linear(hidden, attention.value_proj))
-    terms = config.pos_att_type
-    scale = math.sqrt(head_dim * (1 + len(terms)))
-    scores = query @ key.transpose(-1, -2) / scale  # c2c
-
-    encoder = model.deberta.encoder
-    rel_table = encoder.rel_embeddings.weight
-    if "layer_norm" in config.norm_rel_ebd:
-        rel_table = layer_norm(rel_table, encoder.LayerNorm)
-    relative = relative_position(config, length)
-    if config.position_buckets > 0:
-        att_span = config.position_buckets
-    else:  # v1: the rows within reach of this length
-        att_span = min(length, config.max_relative_positions)
-    table_span = rel_table.shape[0] // 2
-    rel_rows = rel_table[table_span - att_span : table_span + att_span]
-    key_proj = attention.key_proj if config.share_att_key else attention.pos_key_proj
-    query_proj = attention.query_proj if config.share_att_key else attention.pos_query_proj
-    if "c2p" in terms:  # query (from the query stream) against the relative key rows of i - j
-        pos_key = split(linear(rel_rows, key_proj))
-        c2p = query @ pos_key.transpose(-1, -2) / scale  # [B, H, L, 2 span]
-        index = torch.clamp(relative + att_span, 0, 2 * att_span - 1)
-        scores = scores + torch.gather(c2p, -1, index.expand(batch, heads, length, length))
-    if "p2c" in terms:  # key (from H) against the relative query rows, gathered by -(j - i) and transposed
-        pos_query = split(linear(rel_rows, query_proj))
-        p2c = key @ pos_query.transpose(-1, -2) / scale  # [B, H, L, 2 span]
-        index = torch.clamp(-relative + att_span, 0, 2 * att_span - 1)
-        scores = scores + torch.gather(p2c, -1, index.expand(batch, heads, length, length)).transpose(-1, -2)
-
-    pair = (input_mask[:, None, :, None] & input_mask[:, None, None, :]).bool()  # Microsoft's [B, 1, L, L] mask
-    scores = scores.masked_fill(~pair, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, -1).masked_fill(~pair, 0.0)
-    context = (probs @ value).transpose(1, 2).reshape(batch, length, heads * head_dim)
-
-    out = layer.attention.output
-    attention_output = layer_norm(linear(context, out.dense) + query_states, out.LayerNorm)  # residual: the queries
-    intermediate = gelu(linear(attention_output, layer.intermediate.dense))
-    return layer_norm(linear(intermediate, layer.output.dense) + attention_output, layer.output.LayerNorm)
-
-
 def reference_logits(model, batch: dict) -> torch.Tensor:
     """EMD logits from the weights; H (the last layer's input) is the encoder's second-to-last hidden state."""
+    config = model.config
+    spec = Spec.of(config)
+    weights = dict(model.named_parameters())  # parameters themselves: gradients reach them
     hidden = model.deberta(**batch, output_hidden_states=True).hidden_states[-2]
-    input_mask = batch["attention_mask"].bool()
-    z = model.deberta.embeddings.position_embeddings.weight[: hidden.shape[1]][None]  # Z, before any LayerNorm
-    query_states = z + hidden
-    last = model.deberta.encoder.layer[-1]
-    for _ in range(2):
-        query_states = reference_layer(model, last, hidden, query_states, input_mask)
-    head = model.lm_predictions.lm_head
-    states = layer_norm(gelu(linear(query_states, head.dense)), head.LayerNorm)
-    return states @ model.deberta.embeddings.word_embeddings.weight.T + head.bias
+    rel_table = weights["deberta.encoder.rel_embeddings.weight"]
+    if "layer_norm" in config.norm_rel_ebd:
+        rel_table = layer_norm(rel_table, weights, "deberta.encoder.LayerNorm", spec.eps)
+    last = prefixed(weights, f"deberta.encoder.layer.{config.num_hidden_layers - 1}.")
+    table = weights["deberta.embeddings.position_embeddings.weight"]  # Z, before any LayerNorm
+    states = emd_states(last, spec, rel_table, hidden, table, batch["attention_mask"].bool())
+    word_embeddings = weights["deberta.embeddings.word_embeddings.weight"]
+    return mlm_logits(prefixed(weights, "lm_predictions.lm_head."), word_embeddings, states, spec.eps)
+
+
+def plain_head(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The MLM head on given states, from the weights."""
+    weights = dict(model.named_parameters())
+    word_embeddings = weights["deberta.embeddings.word_embeddings.weight"]
+    return mlm_logits(
+        prefixed(weights, "lm_predictions.lm_head."), word_embeddings, hidden, model.config.layer_norm_eps
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -231,10 +153,7 @@ def test_emd_differs_from_the_plain_head_and_is_off_by_default():
     with torch.no_grad():
         emd = model(**batch).logits
         last = plain(**batch).logits
-        hidden = model.deberta(**batch).last_hidden_state
-        head = model.lm_predictions.lm_head
-        by_hand = layer_norm(gelu(linear(hidden, head.dense)), head.LayerNorm)
-        by_hand = by_hand @ model.deberta.embeddings.word_embeddings.weight.T + head.bias
+        by_hand = plain_head(model, model.deberta(**batch).last_hidden_state)
     assert max_abs_diff(last, by_hand, batch["attention_mask"]) <= 1e-5 * by_hand.abs().max()
     assert max_abs_diff(emd, last, batch["attention_mask"]) > 1e-2 * last.abs().max()
 
@@ -244,10 +163,7 @@ def test_position_biased_input_reduces_to_the_last_layer():
     model = build(**dict(CONFIGS["v3-base (log buckets, shared keys)"], position_biased_input=True))
     batch = padded_batch(BASE["vocab_size"], [20, 13])
     with torch.no_grad():
-        hidden = model.deberta(**batch).last_hidden_state
-        head = model.lm_predictions.lm_head
-        by_hand = layer_norm(gelu(linear(hidden, head.dense)), head.LayerNorm)
-        by_hand = by_hand @ model.deberta.embeddings.word_embeddings.weight.T + head.bias
+        by_hand = plain_head(model, model.deberta(**batch).last_hidden_state)
         assert max_abs_diff(model(**batch).logits, by_hand, batch["attention_mask"]) <= 1e-5 * by_hand.abs().max()
 
 
