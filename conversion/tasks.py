@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 TOLERANCE = 1e-4  # float32: max |ours - transformers| <= TOLERANCE * max(1, max |transformers|), per output
 
 
@@ -24,5 +26,8 @@ TASKS = {
     "token-classification": Head("ForTokenClassification", "AutoModelForTokenClassification", "token-classification"),
     "question-answering": Head("ForQuestionAnswering", "AutoModelForQuestionAnswering", "question-answering"),
     "multiple-choice": Head("ForMultipleChoice", "AutoModelForMultipleChoice", None),
+    "replaced-token-detection": Head("ForReplacedTokenDetection", "AutoModelForPreTraining", None),
 }
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # --dtype
+POSITION_TABLE = "deberta.embeddings.position_embeddings.weight"  # the absolute table (v2 inputs, the decoder)
 TRANSFORMERS_PREFIX = {"deberta": "Deberta", "deberta-v2": "DebertaV2"}
