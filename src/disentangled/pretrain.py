@@ -344,7 +344,9 @@ def run(args: argparse.Namespace) -> int:
     validation_files = check_data_files(args.validation_file, "--validation-file") if args.validation_file else None
     with training_args.main_process_first(desc="reading the text"):
         train_texts = load_texts(train_files, args.text_column, "--train-file")
-        validation_texts = load_texts(validation_files, args.text_column, "--validation-file") if validation_files else None
+        validation_texts = (
+            load_texts(validation_files, args.text_column, "--validation-file") if validation_files else None
+        )
 
     scratch = Path(tempfile.mkdtemp(prefix="disentangled-pretrain-"))
     try:
@@ -356,12 +358,17 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = tokenizer_files.tokenizer
         check_mask_token(tokenizer)
         collator = MaskingCollator(
-            tokenizer, objective=args.objective, mlm_probability=args.mlm_probability, whole_word_mask=args.whole_word_mask
+            tokenizer,
+            objective=args.objective,
+            mlm_probability=args.mlm_probability,
+            whole_word_mask=args.whole_word_mask,
         )
         module = build_objective(args, tokenizer)
 
         with training_args.main_process_first(desc="tokenizing"):
-            train_dataset = tokenize_and_group(train_texts, tokenizer, args.max_seq_length, args.preprocessing_num_workers)
+            train_dataset = tokenize_and_group(
+                train_texts, tokenizer, args.max_seq_length, args.preprocessing_num_workers
+            )
             eval_dataset = (
                 tokenize_and_group(validation_texts, tokenizer, args.max_seq_length, args.preprocessing_num_workers)
                 if validation_texts is not None

@@ -95,7 +95,9 @@ class SharedEmbedding(nn.Module):
         return F.embedding(ids, self.weight, self.padding_idx)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, {'sg(E_G) + E_delta' if self.delta is not None else 'E_G'}"
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, {'sg(E_G) + E_delta' if self.delta is not None else 'E_G'}"
+        )
 
 
 def _shared_tables(generator: nn.Module, discriminator: nn.Module) -> list[str]:
@@ -487,7 +489,9 @@ class MaskedLMPretraining(nn.Module):
         labels: Tensor | None = None,
         token_type_ids: Tensor | None = None,
     ) -> PretrainingOutput:
-        output = self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels)
+        output = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels
+        )
         if labels is not None:
             self.metrics.update_generator(output.loss, output.logits, labels)
         return PretrainingOutput(

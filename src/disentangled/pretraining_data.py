@@ -85,7 +85,9 @@ class GroupTexts:
         pieces = self.tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
         stream = [piece for document in pieces for piece in (*document, sep_id)]
         body = self.length - 2
-        sequences = [[cls_id, *stream[start : start + body], sep_id] for start in range(0, len(stream) - body + 1, body)]
+        sequences = [
+            [cls_id, *stream[start : start + body], sep_id] for start in range(0, len(stream) - body + 1, body)
+        ]
         return {"input_ids": sequences}
 
 
