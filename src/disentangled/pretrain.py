@@ -190,7 +190,7 @@ def _load(model_class, path: str, option: str, config=None):
     return model
 
 
-def build_objective(args, tokenizer):
+def build_objective(args, tokenizer, masking=None):
     """The module `Trainer` trains (ReplacedTokenDetectionPretraining or MaskedLMPretraining)."""
     import torch
 
@@ -218,7 +218,7 @@ def build_objective(args, tokenizer):
         else:
             torch.manual_seed(args.seed)
             model = DisentangledForMaskedLM(config)
-        return MaskedLMPretraining(model)
+        return MaskedLMPretraining(model, masking)
 
     from disentangled.modeling import DisentangledForReplacedTokenDetection
 
@@ -242,7 +242,9 @@ def build_objective(args, tokenizer):
         generator = _load(DisentangledForMaskedLM, args.init_from, "--init-from", gen_config)
     else:
         generator = DisentangledForMaskedLM(gen_config)
-    return ReplacedTokenDetectionPretraining(generator, discriminator, args.embedding_sharing, args.rtd_weight)
+    return ReplacedTokenDetectionPretraining(
+        generator, discriminator, args.embedding_sharing, args.rtd_weight, masking=masking
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -312,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
     import transformers
     from transformers.trainer_utils import get_last_checkpoint
 
-    from disentangled.pretraining import MaskingCollator, PretrainingTrainer, check_mask_token
+    from disentangled.pretraining import MaskingCollator, PaddingCollator, PretrainingTrainer, check_mask_token
     from disentangled.pretraining_data import (
         check_data_files,
         load_texts,
@@ -357,13 +359,13 @@ def run(args: argparse.Namespace) -> int:
             tokenizer_files = load_tokenizer(args.tokenizer or args.init_from)
         tokenizer = tokenizer_files.tokenizer
         check_mask_token(tokenizer)
-        collator = MaskingCollator(
+        masking = MaskingCollator(
             tokenizer,
             objective=args.objective,
             mlm_probability=args.mlm_probability,
             whole_word_mask=args.whole_word_mask,
         )
-        module = build_objective(args, tokenizer)
+        module = build_objective(args, tokenizer, masking)  # masks in its forward, after Trainer restores RNG state
 
         with training_args.main_process_first(desc="tokenizing"):
             train_dataset = tokenize_and_group(
@@ -388,7 +390,7 @@ def run(args: argparse.Namespace) -> int:
             args=training_args,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
-            data_collator=collator,
+            data_collator=PaddingCollator(tokenizer),
         )
         checkpoint = training_args.resume_from_checkpoint
         if checkpoint is None and Path(training_args.output_dir).is_dir():
