@@ -80,13 +80,16 @@ def test_saved_folders_are_complete(rtd_run):
 
 LOAD_SCRIPT = """
 import json, sys, torch, transformers
-folder, auto_class, text = sys.argv[1:4]
-model = getattr(transformers, auto_class).from_pretrained(folder, trust_remote_code=True).eval()
-assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
-with torch.no_grad():
-    print(json.dumps(model(**tokenizer(text, return_tensors="pt")).logits.flatten()[:40].tolist()))
+text, results = sys.argv[1], {}
+for folder, auto_class in zip(sys.argv[2::2], sys.argv[3::2]):
+    model = getattr(transformers, auto_class).from_pretrained(folder, trust_remote_code=True).eval()
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    with torch.no_grad():
+        results[folder] = model(**tokenizer(text, return_tensors="pt")).logits.flatten()[:40].tolist()
+print(json.dumps(results))
 """
+ROLES = {"discriminator": "AutoModelForPreTraining", "generator": "AutoModelForMaskedLM"}
 
 
 @pytest.mark.parametrize("python", ["5.x", "4.57"])
@@ -98,17 +101,18 @@ def test_saved_folders_load_where_the_package_is_absent(rtd_run, tmp_path, pytho
         pytest.skip(f"no transformers 4.57 environment at {interpreter}")
     script = tmp_path / "load.py"
     script.write_text(LOAD_SCRIPT)
-    for role, auto_class in (("discriminator", "AutoModelForPreTraining"), ("generator", "AutoModelForMaskedLM")):
+    args = [CHECK_TEXT, *(str(part) for role, auto_class in ROLES.items() for part in (rtd_run / role, auto_class))]
+    result = run_isolated(interpreter, script, args, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    remote = json.loads(result.stdout.strip().splitlines()[-1])
+    for role, auto_class in ROLES.items():
         folder = rtd_run / role
-        result = run_isolated(interpreter, script, [str(folder), auto_class, CHECK_TEXT], timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-        remote = torch.tensor(json.loads(result.stdout.strip().splitlines()[-1]))
         model = getattr(transformers, auto_class).from_pretrained(folder).eval()  # the installed package
         assert type(model).__module__.startswith("disentangled.")
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
         with torch.no_grad():
             local = model(**tokenizer(CHECK_TEXT, return_tensors="pt")).logits.flatten()[:40]
-        torch.testing.assert_close(remote, local, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(remote[str(folder)]), local, rtol=1e-5, atol=1e-5)
 
 
 def test_the_discriminator_fine_tunes_with_the_example_script(rtd_run, tmp_path):
