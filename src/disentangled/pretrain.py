@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "enhanced-mask-decoder",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="mlm: predict with the Enhanced Mask Decoder (default: on from scratch, the checkpoint's with --init-from)",
+        help="mlm: predict with the Enhanced Mask Decoder (default: on with the presets, else the config's own)",
     )
 
     training = parser.add_argument_group("training (every transformers.TrainingArguments option)")
@@ -211,7 +211,7 @@ def build_objective(args, tokenizer, masking=None):
     if args.objective == "mlm":
         if args.enhanced_mask_decoder is not None:
             config.enhanced_mask_decoder = args.enhanced_mask_decoder
-        elif not args.init_from:
+        elif not args.init_from and (args.config or "xsmall") in PRESETS:  # else the config's (checkpoint's) own
             config.enhanced_mask_decoder = True
         emd = bool(getattr(config, "enhanced_mask_decoder", False))
         check_lengths(config, args.max_seq_length, config.position_biased_input or emd, "model")
