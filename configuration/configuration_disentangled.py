@@ -47,7 +47,8 @@ class DisentangledConfig(PretrainedConfig):
         hidden_dropout_prob: Dropout on embeddings, residual branches and relative embeddings.
         attention_probs_dropout_prob: Dropout on attention probabilities.
         max_position_embeddings: Size of the absolute position table (only read when
-            `position_biased_input`), and the relative span when `max_relative_positions < 1`.
+            `position_biased_input` or `enhanced_mask_decoder`), and the relative span when
+            `max_relative_positions < 1`.
         type_vocab_size: Number of token types; 0 disables token-type embeddings.
         initializer_range: Standard deviation of the normal weight initialisation.
         layer_norm_eps: LayerNorm epsilon.
@@ -72,6 +73,10 @@ class DisentangledConfig(PretrainedConfig):
         cls_dropout: Dropout before the classifier of pooled heads; defaults to `hidden_dropout_prob`.
         legacy: MLM head layout: True is transformers' `cls.predictions`, False DeBERTa-v3's
             `lm_predictions.lm_head`.
+        enhanced_mask_decoder: Masked-LM logits through DeBERTa's Enhanced Mask Decoder (Microsoft's
+            `MaskedLanguageModel`): the last layer runs twice more on queries Z + H, with Z the absolute position
+            embeddings and H the last layer's input. Keeps `position_embeddings` also when
+            `position_biased_input` is False. Needs `legacy=False` and `embedding_size == hidden_size`.
         talking_head: Accepted for v1 configs; only False is supported (no released checkpoint uses it).
     """
 
@@ -109,6 +114,7 @@ class DisentangledConfig(PretrainedConfig):
         cls_dropout: float | None = None,
         legacy: bool = True,
         talking_head: bool = False,
+        enhanced_mask_decoder: bool = False,
         pad_token_id: int = 0,
         **kwargs,
     ):
@@ -173,6 +179,8 @@ class DisentangledConfig(PretrainedConfig):
             raise ValueError(
                 f"norm_rel_ebd: unsupported entries {sorted(unknown)}; allowed: {list(REL_EMBEDDING_NORMS)}"
             )
+        if not isinstance(enhanced_mask_decoder, bool):
+            raise ValueError(f"enhanced_mask_decoder must be True or False, got {enhanced_mask_decoder!r}")
         if talking_head:
             raise ValueError(
                 "talking_head=True is not supported (no released DeBERTa checkpoint uses it); set talking_head=False"
@@ -221,6 +229,7 @@ class DisentangledConfig(PretrainedConfig):
         self.cls_dropout = cls_dropout
         self.legacy = legacy
         self.talking_head = talking_head
+        self.enhanced_mask_decoder = enhanced_mask_decoder
         kwargs.setdefault("tie_word_embeddings", True)  # the legacy MLM decoder is the word embedding matrix
         super().__init__(pad_token_id=pad_token_id, **kwargs)
 

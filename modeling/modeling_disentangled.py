@@ -16,6 +16,8 @@ load as they are.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import transformers
 from torch import Tensor, nn
@@ -32,6 +34,7 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import ModelOutput
 
 from ..configuration.configuration_disentangled import DisentangledConfig
 from .disentangled_attention import (
@@ -82,15 +85,22 @@ def inference_cache_allowed(module: nn.Module) -> bool:
 
 
 class DisentangledEmbeddings(nn.Module):
-    """Word (+ absolute position) (+ token type) embeddings, projected to hidden_size, normalised, masked."""
+    """Word (+ absolute position) (+ token type) embeddings, projected to hidden_size, normalised, masked.
+
+    The absolute table `position_embeddings` exists when `position_biased_input` (added to the input) or
+    `enhanced_mask_decoder` (read only by the decoder, as Z in its queries Z + H).
+    """
 
     def __init__(self, config: DisentangledConfig):
         super().__init__()
         size = config.word_embedding_size
         self.word_embeddings = nn.Embedding(config.vocab_size, size, padding_idx=config.pad_token_id)
         self.position_embeddings = (
-            nn.Embedding(config.max_position_embeddings, size) if config.position_biased_input else None
+            nn.Embedding(config.max_position_embeddings, size)
+            if config.position_biased_input or config.enhanced_mask_decoder
+            else None
         )
+        self.position_biased_input = config.position_biased_input
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, size) if config.type_vocab_size > 0 else None
         self.embed_proj = nn.Linear(size, config.hidden_size, bias=False) if size != config.hidden_size else None
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -105,7 +115,7 @@ class DisentangledEmbeddings(nn.Module):
         inputs_embeds: Tensor | None = None,
     ) -> Tensor:
         embeddings = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
-        if self.position_embeddings is not None:
+        if self.position_biased_input:
             if position_ids is None:
                 position_ids = torch.arange(embeddings.shape[1], device=embeddings.device).unsqueeze(0)
             embeddings = embeddings + self.position_embeddings(position_ids)
@@ -225,10 +235,14 @@ class DisentangledSelfAttention(nn.Module):
         rel_index: RelativePositions | None,
         output_attentions: bool = False,
         cu_seqlens: tuple[int, ...] | None = None,
+        query_states: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """`rel_index` is the forward's `RelativePositions`; `cu_seqlens` the bounds of packed sequences, where
-        `hidden_states` is [1, total tokens, hidden] and each sequence attends only to itself."""
-        query = self.heads(self.query_proj(hidden_states))  # [B, H, L, D]
+        `hidden_states` is [1, total tokens, hidden] and each sequence attends only to itself. `query_states`
+        (same shape as `hidden_states`) is a separate query stream, the Enhanced Mask Decoder's: queries (and so
+        c2p) come from it, keys, values (and so p2c) from `hidden_states`."""
+        queries_from = hidden_states if query_states is None else query_states
+        query = self.heads(self.query_proj(queries_from))  # [B, H, L, D]
         key = self.heads(self.key_proj(hidden_states))
         value = self.heads(self.value_proj(hidden_states))
         position_scores = (
@@ -300,11 +314,14 @@ class DisentangledAttention(nn.Module):
         rel_index: RelativePositions | None,
         output_attentions: bool = False,
         cu_seqlens: tuple[int, ...] | None = None,
+        query_states: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
+        """With a separate query stream, that stream is the residual (the decoder refines its queries)."""
         context, probs = self.self(
-            hidden_states, rel_embeddings, attention_mask, rel_index, output_attentions, cu_seqlens
+            hidden_states, rel_embeddings, attention_mask, rel_index, output_attentions, cu_seqlens, query_states
         )
-        return self.output(context, hidden_states), probs
+        residual = hidden_states if query_states is None else query_states
+        return self.output(context, residual), probs
 
 
 class DisentangledIntermediate(nn.Module):
@@ -346,9 +363,11 @@ class DisentangledLayer(GradientCheckpointingLayer):
         rel_index: RelativePositions | None,
         output_attentions: bool = False,
         cu_seqlens: tuple[int, ...] | None = None,
+        query_states: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
+        """`query_states`: a separate query stream (the Enhanced Mask Decoder's); pass it positionally too."""
         attention_output, probs = self.attention(
-            hidden_states, rel_embeddings, attention_mask, rel_index, output_attentions, cu_seqlens
+            hidden_states, rel_embeddings, attention_mask, rel_index, output_attentions, cu_seqlens, query_states
         )
         return self.output(self.intermediate(attention_output), attention_output), probs
 
@@ -470,6 +489,7 @@ class DisentangledPreTrainedModel(PreTrainedModel):
     # reads the `**kwargs` of `forward` as "normalises by num_items_in_batch" and scales the loss by the number of
     # processes (DDP) and not by the gradient-accumulation steps.
     accepts_loss_kwargs = False
+    # transformers' DeBERTa checkpoints carry the absolute table and the RTD head also where a class reads neither.
     _keys_to_ignore_on_load_unexpected = [r"position_embeddings", r"mask_predictions\."]
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -684,11 +704,26 @@ _LEGACY_TIES = {
 
 
 class DisentangledForMaskedLM(DisentangledPreTrainedModel):
+    """Masked-LM logits from the last hidden state, or with `config.enhanced_mask_decoder` through DeBERTa's
+    Enhanced Mask Decoder (see `enhanced_mask_decoder`), as Microsoft's `MaskedLanguageModel` computes them."""
+
     _tied_weights_keys = _LEGACY_TIES if TRANSFORMERS_5 else list(_LEGACY_TIES)
 
     def __init__(self, config: DisentangledConfig):
+        if config.enhanced_mask_decoder and config.legacy:
+            raise ValueError(
+                "enhanced_mask_decoder=True needs legacy=False: the decoder feeds DeBERTa's own MLM head "
+                "(lm_predictions.lm_head), not transformers' cls.predictions; set legacy=False"
+            )
+        if config.enhanced_mask_decoder and config.word_embedding_size != config.hidden_size:
+            raise ValueError(
+                f"enhanced_mask_decoder=True adds the absolute position embeddings (embedding_size="
+                f"{config.word_embedding_size}) to hidden states of hidden_size={config.hidden_size}; they must be "
+                "equal (set embedding_size to hidden_size, or enhanced_mask_decoder=False)"
+            )
         super().__init__(config)
         self.legacy = config.legacy
+        self.use_decoder = config.enhanced_mask_decoder and not config.position_biased_input
         self.deberta = DisentangledModel(config)
         if self.legacy:
             self.cls = LegacyMLMHead(config)
@@ -739,6 +774,158 @@ class DisentangledForMaskedLM(DisentangledPreTrainedModel):
                 "labels", labels, [input_shape(input_ids, inputs_embeds)], 0, self.config.vocab_size, IGNORE_INDEX
             )
         return_dict = return_dict if return_dict is not None else self.config.return_dict
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        outputs = self.deberta(
+            input_ids,
+            attention_mask,
+            token_type_ids,
+            position_ids,
+            inputs_embeds,
+            output_attentions,
+            output_hidden_states or self.use_decoder,  # the decoder reads the last layer's input
+            return_dict=True,
+            **kwargs,  # packed sequences: cu_seqlens, or the flattening collator's cu_seq_lens_q
+        )
+        sequence_output = outputs.last_hidden_state
+        if self.use_decoder:
+            sequence_output = self.enhanced_mask_decoder(
+                outputs.hidden_states[-2], attention_mask, position_ids, packed_bounds(kwargs)
+            )
+            if not output_hidden_states:
+                outputs.hidden_states = None
+        if self.legacy:
+            logits = self.cls(sequence_output)
+        else:
+            logits = self.lm_predictions(sequence_output, self.deberta.embeddings.word_embeddings)
+        loss = _cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1)) if labels is not None else None
+        return _finish(MaskedLMOutput, return_dict, loss, outputs, logits=logits)
+
+    def enhanced_mask_decoder(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Tensor | None,
+        position_ids: Tensor | None,
+        cu_seqlens: tuple[int, ...] | None = None,
+    ) -> Tensor:
+        """DeBERTa's Enhanced Mask Decoder: the states the MLM head reads, [B, L, hidden].
+
+        H = `hidden_states`, the input of the last layer (the second-to-last layer's output; the embeddings in a
+        one-layer model, where Microsoft's `encoder_layers[-2]` does not exist). The query stream starts as
+        Z + H, Z the absolute position embeddings (the table's rows, before any LayerNorm); the last layer runs
+        twice, queries from the stream and keys/values from H, each run's output the next run's queries:
+
+            Q_1 = Z + H,   Q_2 = Layer_L(Q_1; H),   out = Layer_L(Q_2; H)
+
+        Relative positions and the key mask are the encoder's (the query and key lengths are equal).
+        """
+        config = self.config
+        encoder = self.deberta.encoder
+        length = hidden_states.shape[1]
+        if position_ids is None:
+            if cu_seqlens is not None:  # positions restart with every packed sequence
+                position_ids = packed_position_ids(cu_seqlens, hidden_states.device)
+            else:
+                position_ids = torch.arange(length, device=hidden_states.device)[None]
+                if length > config.max_position_embeddings:
+                    raise ValueError(
+                        f"the enhanced mask decoder reads absolute positions: length {length} exceeds "
+                        f"max_position_embeddings={config.max_position_embeddings}; truncate the input"
+                    )
+        else:
+            validate_labels(
+                "position_ids",
+                position_ids,
+                [list(position_ids.shape)],
+                0,
+                config.max_position_embeddings,
+            )
+        if cu_seqlens is not None or attention_mask is None:
+            pair_mask = None
+        else:
+            pair_mask = self.deberta._masks(attention_mask, hidden_states.shape[:2])[1]
+        if cu_seqlens is not None:
+            length = max(last - first for first, last in zip(cu_seqlens[:-1], cu_seqlens[1:]))
+        rel_index = encoder.get_rel_index(length, hidden_states.device)
+        rel_embeddings = encoder.get_rel_embedding(rel_index.rows) if rel_index is not None else None
+        z = self.deberta.embeddings.position_embeddings(position_ids).to(hidden_states.dtype)  # Z: [B or 1, L, hidden]
+        query_states = z + hidden_states
+        last_layer = encoder.layer[-1]
+        for _ in range(2):  # positional arguments: checkpointing hands the gradients of all of them back
+            query_states, _ = last_layer(
+                hidden_states, rel_embeddings, pair_mask, rel_index, False, cu_seqlens, query_states
+            )
+        return query_states
+
+
+class ReplacedTokenDetectionHead(nn.Module):
+    """Microsoft's `LMMaskPredictionHead` (`mask_predictions`): one logit per token, "was this token replaced?".
+
+    logit_i = classifier(act(dense(LayerNorm(h_[CLS] + h_i))))
+    """
+
+    def __init__(self, config: DisentangledConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.transform_act_fn = ACT2FN[config.hidden_act]
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.classifier = nn.Linear(config.hidden_size, 1)
+
+    def forward(self, hidden_states: Tensor, first_token: Tensor | None = None) -> Tensor:
+        """[B, L, hidden] -> [B, L]. `first_token` ([L] indices) picks each token's own [CLS] in packed rows."""
+        cls = hidden_states[:, :1] if first_token is None else hidden_states[:, first_token]  # [B, 1 or L, hidden]
+        states = self.transform_act_fn(self.dense(self.LayerNorm(cls + hidden_states)))
+        return self.classifier(states).squeeze(-1)
+
+
+@dataclass
+class ReplacedTokenDetectionOutput(ModelOutput):
+    """Output of [`DisentangledForReplacedTokenDetection`].
+
+    Args:
+        loss: Binary cross-entropy with logits, averaged over labelled (not -100), unpadded tokens.
+        logits: [batch, length]; > 0 means "replaced" (sigmoid gives the probability).
+        hidden_states: The embeddings and each layer's output, with `output_hidden_states=True`.
+        attentions: Each layer's attention probabilities, with `output_attentions=True`.
+    """
+
+    loss: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    attentions: tuple[torch.FloatTensor, ...] | None = None
+
+
+class DisentangledForReplacedTokenDetection(DisentangledPreTrainedModel):
+    """DeBERTa-v3's discriminator: the encoder and Microsoft's replaced-token-detection head (`mask_predictions`).
+
+    `labels` [batch, length]: 1 = replaced, 0 = original, -100 = ignored. The loss is the mean binary
+    cross-entropy with logits over labelled tokens that are not padding (attention_mask 0).
+    """
+
+    def __init__(self, config: DisentangledConfig):
+        super().__init__(config)
+        self.deberta = DisentangledModel(config)
+        self.mask_predictions = ReplacedTokenDetectionHead(config)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+        labels: Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> ReplacedTokenDetectionOutput | tuple:
+        shape = input_shape(input_ids, inputs_embeds)
+        if labels is not None:
+            validate_labels("labels", labels, [shape], 0, 2, IGNORE_INDEX)
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.deberta(
             input_ids,
             attention_mask,
@@ -750,13 +937,21 @@ class DisentangledForMaskedLM(DisentangledPreTrainedModel):
             return_dict=True,
             **kwargs,  # packed sequences: cu_seqlens, or the flattening collator's cu_seq_lens_q
         )
-        sequence_output = outputs.last_hidden_state
-        if self.legacy:
-            logits = self.cls(sequence_output)
-        else:
-            logits = self.lm_predictions(sequence_output, self.deberta.embeddings.word_embeddings)
-        loss = _cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1)) if labels is not None else None
-        return _finish(MaskedLMOutput, return_dict, loss, outputs, logits=logits)
+        hidden_states = outputs.last_hidden_state
+        first_token = None
+        if (cu_seqlens := packed_bounds(kwargs)) is not None:  # each token's own sequence start: [T]
+            starts = torch.tensor(cu_seqlens[:-1], device=hidden_states.device)
+            lengths = torch.tensor(cu_seqlens[1:], device=hidden_states.device) - starts
+            first_token = starts.repeat_interleave(lengths)
+        logits = self.mask_predictions(hidden_states, first_token)
+        loss = None
+        if labels is not None:
+            counted = labels != IGNORE_INDEX
+            if attention_mask is not None and cu_seqlens is None:
+                counted = counted & self.deberta._masks(attention_mask, logits.shape)[0]
+            losses = BCEWithLogitsLoss(reduction="none")(logits.float(), labels.clamp(min=0).to(torch.float32))
+            loss = (losses * counted).sum() / counted.sum().clamp(min=1)  # 0, not NaN, when nothing is labelled
+        return _finish(ReplacedTokenDetectionOutput, return_dict, loss, outputs, logits=logits)
 
 
 class DisentangledForSequenceClassification(DisentangledPreTrainedModel):
@@ -959,6 +1154,8 @@ __all__ = [
     "DisentangledPreTrainedModel",
     "DisentangledModel",
     "DisentangledForMaskedLM",
+    "DisentangledForReplacedTokenDetection",
+    "ReplacedTokenDetectionOutput",
     "DisentangledForSequenceClassification",
     "DisentangledForTokenClassification",
     "DisentangledForQuestionAnswering",

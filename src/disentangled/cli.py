@@ -22,6 +22,7 @@ COMMANDS = {
         "export a converted folder back to transformers' DeBERTa-v2",
     ),
     "export-onnx": ("disentangled.onnx_export", "export a model folder to ONNX"),
+    "pretrain": ("disentangled.pretrain", "pretrain or continue pretraining a DeBERTa model (RTD with GDES, or MLM)"),
     "explain": ("disentangled.explain", "show each attention term (c2c, c2p, p2c, p2p) of a model on a text"),
 }
 

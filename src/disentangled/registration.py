@@ -7,6 +7,7 @@ from transformers import (
     AutoModel,
     AutoModelForMaskedLM,
     AutoModelForMultipleChoice,
+    AutoModelForPreTraining,
     AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
@@ -17,6 +18,7 @@ from .modeling import (
     DisentangledForMaskedLM,
     DisentangledForMultipleChoice,
     DisentangledForQuestionAnswering,
+    DisentangledForReplacedTokenDetection,
     DisentangledForSequenceClassification,
     DisentangledForTokenClassification,
     DisentangledModel,
@@ -30,6 +32,8 @@ AUTO_CLASSES = {
     "AutoModelForTokenClassification": (AutoModelForTokenClassification, DisentangledForTokenClassification),
     "AutoModelForQuestionAnswering": (AutoModelForQuestionAnswering, DisentangledForQuestionAnswering),
     "AutoModelForMultipleChoice": (AutoModelForMultipleChoice, DisentangledForMultipleChoice),
+    # what transformers loads ELECTRA-style discriminators with
+    "AutoModelForPreTraining": (AutoModelForPreTraining, DisentangledForReplacedTokenDetection),
 }
 
 

@@ -1,0 +1,448 @@
+"""`disentangled pretrain`: pretrain, or continue pretraining, a DeBERTa model with `Trainer`.
+
+    disentangled pretrain --train-file corpus.txt --output-dir out --vocab-size 8000 --config small \\
+        --max-steps 10000 --per-device-train-batch-size 32 --learning-rate 5e-4 --warmup-ratio 0.06
+
+`--objective rtd` (default): replaced-token detection with a generator (see `disentangled.pretraining`), saved as
+`out/discriminator` and `out/generator`; `--objective mlm`: masked LM, saved as `out`. Every
+`transformers.TrainingArguments` option is accepted (`--max_steps` or `--max-steps`, `--bf16`, `--resume_from_checkpoint`,
+...); the command runs under `torchrun` and `accelerate launch`. Bad input fails before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import logging
+import shutil
+import tempfile
+import typing
+from pathlib import Path
+
+logger = logging.getLogger("disentangled.pretrain")
+
+# DeBERTa-v3 shapes (relative attention with 256 log buckets, c2p + p2c, shared keys, no absolute input positions).
+V3 = dict(
+    relative_attention=True,
+    position_buckets=256,
+    max_relative_positions=-1,
+    pos_att_type="p2c|c2p",
+    share_att_key=True,
+    position_biased_input=False,
+    norm_rel_ebd="layer_norm",
+    max_position_embeddings=512,
+    type_vocab_size=0,
+    legacy=False,
+)
+PRESETS = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=256),
+    "xsmall": dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536),
+    "small": dict(hidden_size=768, num_hidden_layers=6, num_attention_heads=12, intermediate_size=3072),
+    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+    "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+}
+DEBERTA_MODEL_TYPES = ("disentangled", "deberta-v2")
+# Our options; each also answers to its underscore spelling, as TrainingArguments' options do.
+OWN_TRAINING_FIELDS = {"output_dir"}
+
+
+def _option(parser, name: str, **kwargs) -> None:
+    parser.add_argument(f"--{name}", f"--{name.replace('-', '_')}", **kwargs)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from transformers import HfArgumentParser, TrainingArguments
+
+    data = parser.add_argument_group("data")
+    _option(data, "train-file", nargs="+", required=True, metavar="FILE", help="text, .csv or .json(l) files")
+    _option(data, "validation-file", nargs="+", metavar="FILE", help="held-out files, same kind (evaluation)")
+    _option(data, "text-column", default="text", help="the text column of .csv / .json(l) files")
+    _option(data, "max-seq-length", type=int, default=512, help="tokens per sequence (texts are concatenated)")
+    _option(data, "preprocessing-num-workers", type=int, default=None, help="processes for tokenizing")
+    model = parser.add_argument_group("model and objective")
+    _option(model, "objective", choices=("rtd", "mlm"), default="rtd", help="replaced-token detection or masked LM")
+    _option(model, "embedding-sharing", choices=("gdes", "es", "none"), default="gdes", help="rtd: embedding sharing")
+    _option(model, "tokenizer", metavar="PATH", help="a tokenizer folder, Hub id or spm.model")
+    _option(model, "vocab-size", type=int, metavar="N", help="train a SentencePiece tokenizer of N pieces instead")
+    _option(model, "config", metavar="NAME|PATH", help=f"one of {', '.join(PRESETS)} or a config.json (default xsmall)")
+    _option(model, "init-from", metavar="MODEL", help="continue pretraining from a DeBERTa folder or Hub id")
+    _option(model, "init-generator", metavar="MODEL", help="rtd: start the generator from this masked-LM model")
+    _option(model, "generator-layers", type=int, metavar="N", help="rtd: generator depth (default half)")
+    _option(model, "rtd-weight", type=float, default=10.0, help="rtd: loss = generator loss + W * discriminator loss")
+    _option(model, "mlm-probability", type=float, default=0.15, help="fraction of tokens masked")
+    _option(model, "whole-word-mask", action="store_true", help="mask whole words")
+    _option(
+        model,
+        "enhanced-mask-decoder",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="mlm: predict with the Enhanced Mask Decoder (default: on from scratch, the checkpoint's with --init-from)",
+    )
+
+    training = parser.add_argument_group("training (every transformers.TrainingArguments option)")
+    hints = typing.get_type_hints(TrainingArguments)
+    for training_field in dataclasses.fields(TrainingArguments):
+        if not training_field.init:
+            continue
+        training_field = copy.copy(training_field)
+        training_field.type = hints[training_field.name]
+        if training_field.name == "output_dir":
+            training_field.default = None
+        HfArgumentParser._parse_dataclass_field(training, training_field)
+
+
+def training_arguments(args: argparse.Namespace):
+    from transformers import TrainingArguments
+
+    if not args.output_dir:
+        raise ValueError("give --output-dir DIR")
+    values = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(TrainingArguments) if f.init and hasattr(args, f.name)
+    }
+    values["remove_unused_columns"] = False  # the collator makes the model's inputs
+    values["prediction_loss_only"] = True  # evaluation reports the objective's metrics, not logits
+    return TrainingArguments(**values)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Checks before anything is written
+
+
+def read_model_config(path: str, option: str):
+    """The config of a DeBERTa model folder / Hub id, as a `DisentangledConfig`; ValueError when it is not one."""
+    from disentangled import DisentangledConfig
+
+    try:
+        config_dict, _ = DisentangledConfig.get_config_dict(path)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{option} {path}: no model config found ({error})") from error
+    model_type = config_dict.get("model_type")
+    if model_type not in DEBERTA_MODEL_TYPES:
+        hint = " (DeBERTa v1: run `disentangled convert` first)" if model_type == "deberta" else ""
+        raise ValueError(
+            f"{option} {path} is a {model_type or 'model without model_type'} model, not DeBERTa-v2/v3-shaped; "
+            f"give a converted or transformers DeBERTa-v2/v3 folder or Hub id{hint}"
+        )
+    return DisentangledConfig.from_dict(config_dict)
+
+
+def model_config(args, vocab_size: int, pad_token_id: int):
+    from disentangled import DisentangledConfig
+
+    if args.init_from:
+        config = read_model_config(args.init_from, "--init-from")
+        if config.vocab_size < vocab_size:
+            raise ValueError(
+                f"--init-from {args.init_from} has {config.vocab_size} embeddings but the tokenizer {vocab_size} "
+                "tokens; use the model's own tokenizer"
+            )
+        return config
+    name = args.config or "xsmall"
+    if name in PRESETS:
+        return DisentangledConfig(**V3, **PRESETS[name], vocab_size=vocab_size, pad_token_id=pad_token_id)
+    path = Path(name)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise ValueError(f"--config {name}: neither one of {', '.join(PRESETS)} nor a config.json")
+    config = read_model_config(str(path.parent if path.name == "config.json" else path), "--config")
+    config.vocab_size, config.pad_token_id = vocab_size, pad_token_id
+    return config
+
+
+def check_lengths(config, max_seq_length: int, absolute_table: bool, who: str) -> None:
+    if max_seq_length < 8:
+        raise ValueError(f"--max-seq-length must be at least 8, got {max_seq_length}")
+    if absolute_table and max_seq_length > config.max_position_embeddings:
+        raise ValueError(
+            f"--max-seq-length {max_seq_length} is longer than the {who}'s absolute position table "
+            f"(max_position_embeddings {config.max_position_embeddings}); use --max-seq-length "
+            f"{config.max_position_embeddings} or less"
+        )
+
+
+def check_loaded(model, info: dict, path: str, option: str) -> None:
+    """A checkpoint whose encoder weights did not load is not DeBERTa-shaped."""
+    missing = [key for key in info.get("missing_keys", []) if key.startswith("deberta.")]
+    mismatched = info.get("mismatched_keys", [])
+    if missing or mismatched:
+        names = [str(key) for key in (missing or mismatched)][:3]
+        raise ValueError(
+            f"{option} {path} is not DeBERTa-shaped: its weights lack or mis-shape {', '.join(names)}"
+            + (f" and {len(missing or mismatched) - 3} more" if len(missing or mismatched) > 3 else "")
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Building the objective
+
+
+def _load(model_class, path: str, option: str, config=None):
+    kwargs = {"output_loading_info": True}
+    if config is not None:
+        kwargs["config"] = config
+    try:
+        model, info = model_class.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, RuntimeError) as error:
+        raise ValueError(f"{option} {path}: could not load the weights ({error})") from error
+    check_loaded(model, info, path, option)
+    return model
+
+
+def build_objective(args, tokenizer):
+    """The module `Trainer` trains (ReplacedTokenDetectionPretraining or MaskedLMPretraining)."""
+    import torch
+
+    from disentangled import DisentangledForMaskedLM
+    from disentangled.pretraining import (
+        MaskedLMPretraining,
+        ReplacedTokenDetectionPretraining,
+        check_sharing,
+        generator_config,
+    )
+
+    vocab_size = len(tokenizer)
+    config = model_config(args, vocab_size, tokenizer.pad_token_id)
+    config.vocab_size = max(config.vocab_size, vocab_size)
+
+    if args.objective == "mlm":
+        if args.enhanced_mask_decoder is not None:
+            config.enhanced_mask_decoder = args.enhanced_mask_decoder
+        elif not args.init_from:
+            config.enhanced_mask_decoder = True
+        emd = bool(getattr(config, "enhanced_mask_decoder", False))
+        check_lengths(config, args.max_seq_length, config.position_biased_input or emd, "model")
+        if args.init_from:
+            model = _load(DisentangledForMaskedLM, args.init_from, "--init-from", config)
+        else:
+            torch.manual_seed(args.seed)
+            model = DisentangledForMaskedLM(config)
+        return MaskedLMPretraining(model)
+
+    from disentangled.modeling import DisentangledForReplacedTokenDetection
+
+    config.enhanced_mask_decoder = False
+    if args.init_generator:
+        gen_config = read_model_config(args.init_generator, "--init-generator")
+    else:
+        gen_config = generator_config(config, args.generator_layers)
+    check_sharing(gen_config, config, args.embedding_sharing)
+    check_lengths(config, args.max_seq_length, config.position_biased_input, "discriminator")
+    check_lengths(gen_config, args.max_seq_length, True, "generator")
+
+    torch.manual_seed(args.seed)
+    if args.init_from:
+        discriminator = _load(DisentangledForReplacedTokenDetection, args.init_from, "--init-from", config)
+    else:
+        discriminator = DisentangledForReplacedTokenDetection(config)
+    if args.init_generator:
+        generator = _load(DisentangledForMaskedLM, args.init_generator, "--init-generator")
+    elif args.init_from:  # the discriminator's embeddings and lowest layers, heads where the checkpoint has them
+        generator = _load(DisentangledForMaskedLM, args.init_from, "--init-from", gen_config)
+    else:
+        generator = DisentangledForMaskedLM(gen_config)
+    return ReplacedTokenDetectionPretraining(generator, discriminator, args.embedding_sharing, args.rtd_weight)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Saving
+
+
+def write_model_folder(model, tokenizer_files, folder: Path, card: str) -> None:
+    """An ordinary, complete model folder: config (+ auto_map), safetensors, tokenizer, remote-code bundle, card."""
+    from disentangled.conversion.bundle import auto_map, write_bundle
+
+    scratch = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(scratch, ignore_errors=True)
+    model.save_pretrained(scratch, safe_serialization=True)
+    tokenizer_files.save(scratch)
+    write_bundle(scratch)
+    config_file = scratch / "config.json"
+    config = json.loads(config_file.read_text())
+    config["auto_map"] = auto_map()
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (scratch / "README.md").write_text(card)
+    shutil.rmtree(folder, ignore_errors=True)
+    scratch.rename(folder)
+
+
+def model_card(role: str, model, args, facts: dict) -> str:
+    auto_class = {"discriminator": "AutoModelForPreTraining"}.get(role, "AutoModelForMaskedLM")
+    objective = (
+        f"replaced-token detection (ELECTRA-style, DeBERTa-v3), embedding sharing `{args.embedding_sharing}`, "
+        f"loss = generator MLM + {args.rtd_weight:g} x discriminator"
+        if args.objective == "rtd"
+        else "masked language modelling (80/10/10)"
+    )
+    start = f"continued from `{args.init_from}`" if args.init_from else "trained from scratch"
+    config = model.config
+    return "\n".join(
+        [
+            "---",
+            "library_name: transformers",
+            "tags: [custom_code, deberta, disentangled-attention, pretraining]",
+            "---",
+            "",
+            f"# DeBERTa {role}, pretrained with `disentangled pretrain`",
+            "",
+            f"- Objective: {objective}; {start}.",
+            f"- Role: {role} ({type(model).__name__}, {config.num_hidden_layers} layers, hidden size {config.hidden_size}).",
+            f"- Masking: {args.mlm_probability:g} of the tokens{' (whole words)' if args.whole_word_mask else ''}.",
+            f"- Data: {facts['documents']} documents, {facts['sequences']} sequences of {args.max_seq_length} tokens "
+            f"({facts['tokens']} tokens) from {', '.join(Path(f).name for f in args.train_file)}.",
+            f"- Training: {facts['steps']} optimizer steps, {facts['tokens_seen']} tokens seen; final loss {facts['loss']}.",
+            "",
+            "```python",
+            f"from transformers import {auto_class}, AutoTokenizer",
+            f"model = {auto_class}.from_pretrained('path/to/this/folder', trust_remote_code=True)",
+            "tokenizer = AutoTokenizer.from_pretrained('path/to/this/folder')",
+            "```",
+            "",
+        ]
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The command
+
+
+def run(args: argparse.Namespace) -> int:
+    import datasets
+    import transformers
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from disentangled.pretraining import MaskingCollator, PretrainingTrainer, check_mask_token
+    from disentangled.pretraining_data import (
+        check_data_files,
+        load_texts,
+        load_tokenizer,
+        tokenize_and_group,
+        train_tokenizer,
+        training_text_lines,
+    )
+
+    training_args = training_arguments(args)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    log_level = training_args.get_process_log_level()
+    logger.setLevel(log_level)
+    logging.getLogger("disentangled.pretraining").setLevel(log_level)
+    transformers.utils.logging.set_verbosity(log_level)
+    datasets.utils.logging.set_verbosity(log_level)
+    logger.warning(
+        "process %d of %d, device %s", training_args.process_index, training_args.world_size, training_args.device
+    )
+
+    # Everything that can be wrong with the input is found here, before anything is written.
+    if (args.tokenizer is None) == (args.vocab_size is None) and not (args.init_from and args.vocab_size is None):
+        raise ValueError("give --tokenizer PATH or --vocab-size N (or --init-from a model that has a tokenizer)")
+    if args.config and args.init_from:
+        raise ValueError("give --config or --init-from, not both (--init-from brings its config)")
+    if args.objective == "mlm" and (args.init_generator or args.generator_layers):
+        raise ValueError("--init-generator and --generator-layers are for --objective rtd")
+    train_files = check_data_files(args.train_file, "--train-file")
+    validation_files = check_data_files(args.validation_file, "--validation-file") if args.validation_file else None
+    with training_args.main_process_first(desc="reading the text"):
+        train_texts = load_texts(train_files, args.text_column, "--train-file")
+        validation_texts = (
+            load_texts(validation_files, args.text_column, "--validation-file") if validation_files else None
+        )
+
+    scratch = Path(tempfile.mkdtemp(prefix="disentangled-pretrain-"))
+    try:
+        if args.vocab_size is not None:
+            with training_args.main_process_first(desc="training the tokenizer"):
+                tokenizer_files = train_tokenizer(training_text_lines(train_texts), args.vocab_size, scratch / "spm")
+        else:
+            tokenizer_files = load_tokenizer(args.tokenizer or args.init_from)
+        tokenizer = tokenizer_files.tokenizer
+        check_mask_token(tokenizer)
+        collator = MaskingCollator(
+            tokenizer,
+            objective=args.objective,
+            mlm_probability=args.mlm_probability,
+            whole_word_mask=args.whole_word_mask,
+        )
+        module = build_objective(args, tokenizer)
+
+        with training_args.main_process_first(desc="tokenizing"):
+            train_dataset = tokenize_and_group(
+                train_texts, tokenizer, args.max_seq_length, args.preprocessing_num_workers
+            )
+            eval_dataset = (
+                tokenize_and_group(validation_texts, tokenizer, args.max_seq_length, args.preprocessing_num_workers)
+                if validation_texts is not None
+                else None
+            )
+        if len(train_dataset) == 0:
+            raise ValueError(
+                f"the training text is shorter than one sequence of --max-seq-length {args.max_seq_length} tokens; "
+                "give more text or a smaller --max-seq-length"
+            )
+        logger.info(
+            "%d documents -> %d sequences of %d tokens", len(train_texts), len(train_dataset), args.max_seq_length
+        )
+
+        trainer = PretrainingTrainer(
+            model=module,
+            args=training_args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            data_collator=collator,
+        )
+        checkpoint = training_args.resume_from_checkpoint
+        if checkpoint is None and Path(training_args.output_dir).is_dir():
+            checkpoint = get_last_checkpoint(training_args.output_dir)  # continue an interrupted run
+            if checkpoint:
+                logger.info("resuming from %s", checkpoint)
+        result = trainer.train(resume_from_checkpoint=checkpoint)
+        trainer.save_metrics("train", result.metrics)
+        trainer.save_state()
+        if eval_dataset is not None and training_args.do_eval:
+            trainer.save_metrics("eval", trainer.evaluate())
+
+        if trainer.is_world_process_zero():
+            facts = {
+                "documents": len(train_texts),
+                "sequences": len(train_dataset),
+                "tokens": len(train_dataset) * args.max_seq_length,
+                "steps": trainer.state.global_step,
+                "tokens_seen": trainer.state.global_step
+                * training_args.per_device_train_batch_size
+                * training_args.gradient_accumulation_steps
+                * training_args.world_size
+                * args.max_seq_length,
+                "loss": f"{result.training_loss:.4f}",
+            }
+            save_outputs(module, tokenizer_files, Path(training_args.output_dir), args, facts)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+def save_outputs(module, tokenizer_files, output_dir: Path, args, facts: dict) -> None:
+    """DIR/discriminator and DIR/generator (rtd), or the model in DIR (mlm)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if args.objective == "mlm":
+        model = module.export_model()
+        scratch = output_dir / "model.partial"
+        write_model_folder(model, tokenizer_files, scratch, model_card("masked-LM model", model, args, facts))
+        for item in scratch.iterdir():
+            target = output_dir / item.name
+            if target.is_dir():
+                shutil.rmtree(target)
+            item.replace(target)
+        scratch.rmdir()
+        logger.info("saved the model to %s", output_dir)
+        return
+    discriminator, generator = module.export_discriminator(), module.export_generator()
+    write_model_folder(
+        discriminator,
+        tokenizer_files,
+        output_dir / "discriminator",
+        model_card("discriminator", discriminator, args, facts),
+    )
+    write_model_folder(
+        generator, tokenizer_files, output_dir / "generator", model_card("generator", generator, args, facts)
+    )
+    logger.info("saved %s and %s", output_dir / "discriminator", output_dir / "generator")

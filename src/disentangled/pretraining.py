@@ -1,0 +1,553 @@
+"""Pretraining objectives: replaced-token detection with embedding sharing (DeBERTa-v3), and masked LM.
+
+The heads (`DisentangledForMaskedLM` with the Enhanced Mask Decoder, `DisentangledForReplacedTokenDetection`) are
+ordinary models; this module holds what pretraining adds around them, and hands `Trainer` one module whose forward
+returns the loss:
+
+- `MaskingCollator`: picks 15% of the tokens (or of the words, `whole_word_mask`) and corrupts them: for MLM 80% [MASK]
+  / 10% a random token / 10% unchanged; for RTD every picked token becomes [MASK] (the generator's input).
+- `ReplacedTokenDetectionPretraining`: the generator predicts the masked tokens; a sample of its prediction
+  (temperature 1, no gradient) replaces each of them; the discriminator labels every token replaced (1) or original
+  (0), a sample equal to the original counting as original.
+
+      loss = L_MLM(generator) + rtd_weight * L_RTD(discriminator)          (one optimizer over both)
+
+- Embedding sharing between generator and discriminator (word table, and the absolute position table where both have
+  one), built by construction in the discriminator's forward:
+
+      gdes: E_D = sg(E_G) + E_delta     E_delta zero-initialised; L_RTD reaches E_delta only, L_MLM never reaches it
+      es:   E_D = E_G                   one table, both losses update it
+      none: E_D, E_G separate tables
+
+- `MaskedLMPretraining`: the MLM objective alone (v1/v2-style models, and the baseline).
+- `PretrainingTrainer`: `Trainer` that adds the objective's running metrics (generator and discriminator losses, the
+  discriminator's ROC-AUC, precision and recall on replaced tokens, generator accuracy on masked tokens) to each log,
+  and warns when the discriminator stops separating replaced from original tokens.
+
+Python API, for your own loop::
+
+    generator = DisentangledForMaskedLM(generator_config(config, num_layers=6))
+    discriminator = DisentangledForReplacedTokenDetection(config)
+    module = ReplacedTokenDetectionPretraining(generator, discriminator, embedding_sharing="gdes", rtd_weight=10.0)
+    collator = MaskingCollator(tokenizer, objective="rtd")
+    loss = module(**collator(examples)).loss
+    module.export_discriminator().save_pretrained("disc")   # E_G + E_delta merged into its own table
+    module.generator.save_pretrained("gen")
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import Trainer
+from transformers.utils import ModelOutput
+
+from .configuration import DisentangledConfig
+
+logger = logging.getLogger(__name__)
+
+SHARING_MODES = ("gdes", "es", "none")
+IGNORE_INDEX = -100
+AUC_BINS = 1000  # the discriminator's probabilities are histogrammed per label; ROC-AUC is read from the histograms
+AUC_WARNING_MARGIN = 0.02  # |AUC - 0.5| below this after warm-up: the discriminator does not separate the tokens
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Embedding sharing
+
+
+class SharedEmbedding(nn.Module):
+    """The discriminator's embedding table, read in its forward from the generator's table.
+
+    `es`: the table is E_G itself. `gdes`: sg(E_G) + E_delta, with E_delta a parameter of this module. The generator's
+    module is referenced, not registered as a child, so its table is saved once, with the generator.
+    """
+
+    def __init__(self, source: nn.Embedding, mode: str, delta: Tensor | None = None):
+        super().__init__()
+        if mode not in ("gdes", "es"):
+            raise ValueError(f"SharedEmbedding shares as 'gdes' or 'es', got {mode!r}")
+        self._source = (source,)  # a tuple keeps nn.Module from registering (and saving) the generator's table twice
+        self.padding_idx = source.padding_idx
+        self.num_embeddings, self.embedding_dim = source.weight.shape
+        if mode == "gdes":
+            self.delta = nn.Parameter(torch.zeros_like(source.weight) if delta is None else delta.detach().clone())
+        else:
+            self.delta = None
+
+    @property
+    def source(self) -> nn.Embedding:
+        return self._source[0]
+
+    @property
+    def weight(self) -> Tensor:
+        if self.delta is None:
+            return self.source.weight  # es: E_D = E_G
+        return self.source.weight.detach() + self.delta  # gdes: E_D = sg(E_G) + E_delta
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.weight, self.padding_idx)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, {'sg(E_G) + E_delta' if self.delta is not None else 'E_G'}"
+        )
+
+
+def _shared_tables(generator: nn.Module, discriminator: nn.Module) -> list[str]:
+    """Names of the embedding tables both models have, with the same shape: 'word_embeddings', 'position_embeddings'."""
+    names = []
+    for name in ("word_embeddings", "position_embeddings"):
+        source = getattr(generator.deberta.embeddings, name, None)
+        target = getattr(discriminator.deberta.embeddings, name, None)
+        if source is not None and target is not None:
+            names.append(name)
+    return names
+
+
+def check_sharing(generator_config: DisentangledConfig, config: DisentangledConfig, embedding_sharing: str) -> None:
+    """Raise ValueError when the generator cannot share embeddings with the discriminator in this mode."""
+    if embedding_sharing not in SHARING_MODES:
+        raise ValueError(f"embedding sharing must be one of {', '.join(SHARING_MODES)}, got {embedding_sharing!r}")
+    if generator_config.vocab_size != config.vocab_size:
+        raise ValueError(
+            f"the generator's vocabulary ({generator_config.vocab_size}) differs from the discriminator's "
+            f"({config.vocab_size}); give both the same tokenizer"
+        )
+    if embedding_sharing == "none":
+        return
+    if generator_config.hidden_size > config.hidden_size:
+        raise ValueError(
+            f"the generator (hidden_size {generator_config.hidden_size}) is wider than the discriminator "
+            f"(hidden_size {config.hidden_size}); under --embedding-sharing {embedding_sharing} it must be at most as "
+            "wide: use a narrower generator or --embedding-sharing none"
+        )
+    if generator_config.word_embedding_size != config.word_embedding_size:
+        raise ValueError(
+            f"the generator's embeddings are {generator_config.word_embedding_size} wide and the discriminator's "
+            f"{config.word_embedding_size}; shared tables need one width (set embedding_size) or --embedding-sharing none"
+        )
+
+
+def share_embeddings(generator: nn.Module, discriminator: nn.Module, embedding_sharing: str) -> list[str]:
+    """Make the discriminator read the generator's tables (`gdes`/`es`); returns the shared table names.
+
+    E_delta starts as E_D - E_G, which is zero when both start from the same table and keeps a discriminator loaded
+    from a checkpoint exactly as it was otherwise.
+    """
+    check_sharing(generator.config, discriminator.config, embedding_sharing)
+    if embedding_sharing == "none":
+        return []
+    names = _shared_tables(generator, discriminator)
+    for name in names:
+        source = getattr(generator.deberta.embeddings, name)
+        own = getattr(discriminator.deberta.embeddings, name)
+        delta = None
+        if embedding_sharing == "gdes":
+            delta = (own.weight - source.weight).detach()
+        setattr(discriminator.deberta.embeddings, name, SharedEmbedding(source, embedding_sharing, delta))
+    return names
+
+
+def _merged_copy(model: nn.Module) -> nn.Module:
+    """A standalone copy of `model` whose shared tables are ordinary `nn.Embedding`s holding E_G (+ E_delta)."""
+    state = {}
+    shared = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, SharedEmbedding):
+            shared[module_name] = module
+    for key, value in model.state_dict().items():
+        if not any(key.startswith(f"{name}.") for name in shared):
+            state[key] = value.detach().clone()
+    for name, module in shared.items():
+        state[f"{name}.weight"] = module.weight.detach().clone()
+    fresh = type(model)(copy.deepcopy(model.config))
+    fresh.load_state_dict(state, strict=True)
+    return fresh.to(next(model.parameters()).dtype).eval()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Masking
+
+
+@dataclass
+class MaskingCollator:
+    """Pads a list of `{"input_ids": [...]}` examples and picks tokens to predict.
+
+    Returns `input_ids` (corrupted), `attention_mask`, and `labels` (the original id where a token was picked,
+    -100 elsewhere). Special tokens and padding are never picked. With `whole_word_mask`, words are picked (a word
+    starts at a piece beginning with SentencePiece's '▁', or at a piece without WordPiece's '##'), all their pieces
+    together. `objective="rtd"` replaces every picked token by [MASK]; `"mlm"` does 80/10/10.
+    """
+
+    tokenizer: object
+    objective: str = "mlm"
+    mlm_probability: float = 0.15
+    whole_word_mask: bool = False
+    mask_replace_prob: float | None = None  # default: 1.0 for rtd, 0.8 for mlm
+    random_replace_prob: float | None = None  # default: 0.0 for rtd, 0.1 for mlm
+    _word_starts: Tensor = field(init=False, repr=False)
+    _special: Tensor = field(init=False, repr=False)
+    _random_ids: Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.objective not in ("rtd", "mlm"):
+            raise ValueError(f"objective must be 'rtd' or 'mlm', got {self.objective!r}")
+        if not 0.0 < self.mlm_probability < 1.0:
+            raise ValueError(f"--mlm-probability must be between 0 and 1, got {self.mlm_probability}")
+        if self.mask_replace_prob is None:
+            self.mask_replace_prob = 1.0 if self.objective == "rtd" else 0.8
+        if self.random_replace_prob is None:
+            self.random_replace_prob = 0.0 if self.objective == "rtd" else 0.1
+        if self.mask_replace_prob + self.random_replace_prob > 1.0:
+            raise ValueError("mask_replace_prob + random_replace_prob must be at most 1")
+        check_mask_token(self.tokenizer)
+        size = len(self.tokenizer)
+        pieces = self.tokenizer.convert_ids_to_tokens(list(range(size)))
+        special = torch.zeros(size, dtype=torch.bool)
+        special[list(self.tokenizer.all_special_ids)] = True
+        self._special = special
+        pieces = [str(piece) for piece in pieces]
+        if any(piece.startswith("▁") for piece in pieces):  # SentencePiece: a '▁' piece starts a word
+            self._word_starts = torch.tensor([piece.startswith("▁") for piece in pieces])
+        else:  # WordPiece: a '##' piece continues one
+            self._word_starts = torch.tensor([not piece.startswith("##") for piece in pieces])
+        self._random_ids = (~special).nonzero().flatten()
+
+    def __call__(self, examples: list[dict]) -> dict[str, Tensor]:
+        input_ids, attention_mask = self._pad([example["input_ids"] for example in examples])
+        picked = self._pick(input_ids, attention_mask)
+        labels = torch.where(picked, input_ids, IGNORE_INDEX)
+        corrupted = input_ids.clone()
+        draw = torch.rand(input_ids.shape)
+        to_mask = picked & (draw < self.mask_replace_prob)
+        to_random = picked & ~to_mask & (draw < self.mask_replace_prob + self.random_replace_prob)
+        corrupted[to_mask] = self.tokenizer.mask_token_id
+        random_ids = self._random_ids[torch.randint(len(self._random_ids), input_ids.shape)]
+        corrupted[to_random] = random_ids[to_random]
+        return {"input_ids": corrupted, "attention_mask": attention_mask, "labels": labels}
+
+    def _pad(self, sequences: list) -> tuple[Tensor, Tensor]:
+        length = max(len(sequence) for sequence in sequences)
+        input_ids = torch.full((len(sequences), length), self.tokenizer.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            input_ids[row, : len(sequence)] = torch.as_tensor(sequence, dtype=torch.long)
+            attention_mask[row, : len(sequence)] = 1
+        return input_ids, attention_mask
+
+    def _pick(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """[B, L] bool: the tokens to predict."""
+        candidate = ~self._special[input_ids] & attention_mask.bool()
+        if not self.whole_word_mask:
+            return candidate & (torch.rand(input_ids.shape) < self.mlm_probability)
+        starts = self._word_starts[input_ids] | ~candidate  # special tokens and padding end a word
+        word = starts.long().cumsum(-1)  # [B, L]: index of each token's word
+        word_picked = torch.zeros(input_ids.shape[0], input_ids.shape[1] + 1, dtype=torch.bool)
+        rows = torch.arange(input_ids.shape[0]).unsqueeze(-1).expand_as(input_ids)
+        draw = torch.rand(input_ids.shape) < self.mlm_probability
+        word_picked[rows[starts], word[starts]] = draw[starts]  # one draw per word, at its first piece
+        return word_picked.gather(-1, word) & candidate
+
+
+def check_mask_token(tokenizer) -> None:
+    mask = tokenizer.mask_token
+    if mask is None or tokenizer.mask_token_id is None or tokenizer.mask_token_id == tokenizer.unk_token_id:
+        raise ValueError(
+            "the tokenizer has no [MASK] token, which masked-token pretraining needs: use a DeBERTa tokenizer "
+            "(spm.model) or add one with tokenizer.add_special_tokens({'mask_token': '[MASK]'})"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Metrics
+
+
+class PretrainingMetrics:
+    """Running sums since the last log: losses, generator accuracy on masked tokens, and the discriminator's
+    confusion counts and probability histograms (ROC-AUC) on labelled tokens. Summed over processes when read."""
+
+    NAMES = (
+        "steps", "generator_loss", "discriminator_loss", "masked", "masked_correct",
+        "true_positive", "false_positive", "false_negative", "replaced", "labelled",
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        self.sums: dict[str, Tensor] = {}
+        self.histogram: Tensor | None = None  # [2, AUC_BINS]: row 0 original tokens, row 1 replaced tokens
+
+    def reset(self) -> None:
+        self.sums, self.histogram = {}, None
+
+    def _add(self, name: str, value: Tensor) -> None:
+        value = value.detach().double()
+        self.sums[name] = self.sums[name] + value if name in self.sums else value
+
+    @torch.no_grad()
+    def update_generator(self, loss: Tensor, logits: Tensor, labels: Tensor) -> None:
+        picked = labels != IGNORE_INDEX
+        self._add("steps", torch.ones((), device=labels.device))
+        self._add("generator_loss", loss)
+        self._add("masked", picked.sum())
+        self._add("masked_correct", ((logits.argmax(-1) == labels) & picked).sum())
+
+    @torch.no_grad()
+    def update_discriminator(self, loss: Tensor, logits: Tensor, labels: Tensor) -> None:
+        keep = labels != IGNORE_INDEX
+        probability, replaced = torch.sigmoid(logits[keep].float()), labels[keep] == 1
+        predicted = probability > 0.5
+        self._add("discriminator_loss", loss)
+        self._add("true_positive", (predicted & replaced).sum())
+        self._add("false_positive", (predicted & ~replaced).sum())
+        self._add("false_negative", (~predicted & replaced).sum())
+        self._add("replaced", replaced.sum())
+        self._add("labelled", keep.sum())
+        bins = (probability * AUC_BINS).long().clamp(max=AUC_BINS - 1)
+        histogram = torch.bincount(bins + AUC_BINS * replaced.long(), minlength=2 * AUC_BINS).view(2, AUC_BINS)
+        self.histogram = histogram.double() if self.histogram is None else self.histogram + histogram
+
+    def compute(self) -> dict[str, float]:
+        """The metrics since the last reset, over all processes; resets. Empty when nothing was recorded."""
+        names = [name for name in self.NAMES if name in self.sums]
+        if not names:
+            return {}
+        values = torch.stack([self.sums[name] for name in names])
+        histogram = self.histogram
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(values)
+            if histogram is not None:
+                torch.distributed.all_reduce(histogram)
+        sums = dict(zip(names, values.tolist()))
+        self.reset()
+        steps = max(sums.pop("steps", 0.0), 1.0)
+        metrics = {}
+        for name in ("generator_loss", "discriminator_loss"):
+            if name in sums:
+                metrics[name] = sums[name] / steps
+        if "masked" in sums:
+            metrics["generator_accuracy"] = sums["masked_correct"] / max(sums["masked"], 1.0)
+        if "labelled" in sums:
+            true_positive = sums["true_positive"]
+            metrics["discriminator_precision"] = true_positive / max(true_positive + sums["false_positive"], 1.0)
+            metrics["discriminator_recall"] = true_positive / max(true_positive + sums["false_negative"], 1.0)
+            metrics["replaced_fraction"] = sums["replaced"] / max(sums["labelled"], 1.0)
+            auc = roc_auc_from_histograms(histogram[0], histogram[1]) if histogram is not None else float("nan")
+            metrics["discriminator_auc"] = auc
+        return {name: round(value, 4) if math.isfinite(value) else value for name, value in metrics.items()}
+
+
+def roc_auc_from_histograms(negative: Tensor, positive: Tensor) -> float:
+    """P(score of a replaced token > score of an original one), ties (same bin) counting half; NaN without both."""
+    negative, positive = negative.double().cpu(), positive.double().cpu()
+    if negative.sum() == 0 or positive.sum() == 0:
+        return float("nan")
+    below = torch.cumsum(negative, 0) - negative  # originals in lower bins
+    wins = (positive * (below + 0.5 * negative)).sum()
+    return float(wins / (positive.sum() * negative.sum()))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Objectives
+
+
+@dataclass
+class PretrainingOutput(ModelOutput):
+    """`loss` is what `Trainer` optimises; the rest is detached, for logs and your own loop."""
+
+    loss: Tensor | None = None
+    generator_loss: Tensor | None = None
+    discriminator_loss: Tensor | None = None
+    generator_logits: Tensor | None = None
+    discriminator_logits: Tensor | None = None
+    discriminator_labels: Tensor | None = None
+    discriminator_input_ids: Tensor | None = None
+
+
+def generator_config(config: DisentangledConfig, num_layers: int | None = None) -> DisentangledConfig:
+    """The generator for `config`'s discriminator: same width, `num_layers` (default half the depth), with the
+    Enhanced Mask Decoder and DeBERTa-v3's MLM head layout, as Microsoft's generators have them."""
+    num_layers = max(1, config.num_hidden_layers // 2) if num_layers is None else num_layers
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"--generator-layers must be a positive integer, got {num_layers!r}")
+    generator = copy.deepcopy(config)
+    generator.num_hidden_layers = num_layers
+    generator.enhanced_mask_decoder = True
+    generator.legacy = False
+    generator.architectures = None
+    return generator
+
+
+def init_generator_from_discriminator(generator: nn.Module, discriminator: nn.Module) -> list[str]:
+    """Copy the discriminator's embeddings, relative embeddings and lowest layers into the generator (same shapes
+    only); returns the copied keys. The generator's MLM head keeps its own (or fresh) weights."""
+    source = discriminator.deberta.state_dict()
+    target = generator.deberta.state_dict()
+    copied = {key: value for key, value in source.items() if key in target and target[key].shape == value.shape}
+    for key, value in _shared_weights(discriminator).items():  # a discriminator already sharing: its merged tables
+        if key in target and target[key].shape == value.shape:
+            copied[key] = value
+    generator.deberta.load_state_dict(copied, strict=False)
+    return sorted(copied)
+
+
+def _shared_weights(model: nn.Module) -> dict[str, Tensor]:
+    return {
+        f"{name}.weight": module.weight.detach()
+        for name, module in model.deberta.named_modules()
+        if isinstance(module, SharedEmbedding)
+    }
+
+
+class ReplacedTokenDetectionPretraining(nn.Module):
+    """Generator (`DisentangledForMaskedLM`) and discriminator (`DisentangledForReplacedTokenDetection`) as one module.
+
+    `forward(input_ids, attention_mask, labels)` takes the collator's output (`objective="rtd"`): `input_ids` with the
+    picked tokens replaced by [MASK], `labels` the original ids there (-100 elsewhere).
+    """
+
+    def __init__(
+        self,
+        generator: nn.Module,
+        discriminator: nn.Module,
+        embedding_sharing: str = "gdes",
+        rtd_weight: float = 10.0,
+    ):
+        super().__init__()
+        if not math.isfinite(rtd_weight) or rtd_weight <= 0:
+            raise ValueError(f"--rtd-weight must be a positive number, got {rtd_weight}")
+        self.generator = generator
+        self.discriminator = discriminator
+        self.embedding_sharing = embedding_sharing
+        self.rtd_weight = rtd_weight
+        self.shared_tables = share_embeddings(generator, discriminator, embedding_sharing)
+        self.metrics = PretrainingMetrics()
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+    ) -> PretrainingOutput:
+        if labels is None:
+            raise ValueError("RTD pretraining needs `labels`: the original ids of the masked tokens, -100 elsewhere")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        generated = self.generator(
+            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels
+        )
+        masked = labels != IGNORE_INDEX
+        original = torch.where(masked, labels, input_ids)
+        with torch.no_grad():  # sample at temperature 1; no gradient flows through the sampling
+            probabilities = torch.softmax(generated.logits[masked].float(), dim=-1)
+            corrupted = original.clone()
+            corrupted[masked] = torch.multinomial(probabilities, 1).squeeze(-1)
+            rtd_labels = (corrupted != original).long()  # a sample equal to the original is original
+            rtd_labels = rtd_labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
+        detected = self.discriminator(
+            input_ids=corrupted, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=rtd_labels
+        )
+        loss = generated.loss + self.rtd_weight * detected.loss  # L_MLM + lambda * L_RTD
+        self.metrics.update_generator(generated.loss, generated.logits, labels)
+        self.metrics.update_discriminator(detected.loss, detected.logits, rtd_labels)
+        return PretrainingOutput(
+            loss=loss,
+            generator_loss=generated.loss.detach(),
+            discriminator_loss=detected.loss.detach(),
+            generator_logits=generated.logits.detach(),
+            discriminator_logits=detected.logits.detach(),
+            discriminator_labels=rtd_labels,
+            discriminator_input_ids=corrupted,
+        )
+
+    def export_discriminator(self) -> nn.Module:
+        """The discriminator as an ordinary model: E_G + E_delta (gdes) or E_G (es) merged into its own tables."""
+        return _merged_copy(self.discriminator)
+
+    def export_generator(self) -> nn.Module:
+        return self.generator
+
+
+class MaskedLMPretraining(nn.Module):
+    """The MLM objective around a `DisentangledForMaskedLM`: its loss, and the accuracy on masked tokens logged."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.metrics = PretrainingMetrics()
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+    ) -> PretrainingOutput:
+        output = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels
+        )
+        if labels is not None:
+            self.metrics.update_generator(output.loss, output.logits, labels)
+        return PretrainingOutput(
+            loss=output.loss,
+            generator_loss=None if output.loss is None else output.loss.detach(),
+            generator_logits=output.logits.detach(),
+        )
+
+    def export_model(self) -> nn.Module:
+        return self.model
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Trainer
+
+
+class PretrainingTrainer(Trainer):
+    """`Trainer` whose training and evaluation logs carry the objective's metrics (see `PretrainingMetrics`).
+
+    MLM logs `generator_loss` / `generator_accuracy` for its model. A discriminator whose ROC-AUC stays within
+    0.02 of 0.5 after the learning-rate warm-up is reported with a warning: it no longer separates replaced tokens.
+    """
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        metrics = self.model.metrics if hasattr(self.model, "metrics") else None
+        if metrics is not None and ("loss" in logs or "eval_loss" in logs):
+            prefix = "" if "loss" in logs else "eval_"
+            values = metrics.compute()
+            if isinstance(self.model, MaskedLMPretraining):
+                values = {("mlm_loss" if k == "generator_loss" else k): v for k, v in values.items()}
+                values = {("masked_accuracy" if k == "generator_accuracy" else k): v for k, v in values.items()}
+            logs.update({prefix + name: value for name, value in values.items()})
+            self._check_discriminator(values.get("discriminator_auc"), prefix)
+        super().log(logs, *args, **kwargs)
+
+    def _check_discriminator(self, auc: float | None, prefix: str) -> None:
+        if auc is None or not math.isfinite(auc) or prefix:
+            return
+        max_steps = self.state.max_steps or 0
+        warmup = self.args.get_warmup_steps(max_steps) if max_steps else 0
+        after_warmup = max(warmup, max_steps // 10)
+        if self.state.global_step > after_warmup and abs(auc - 0.5) < AUC_WARNING_MARGIN:
+            logger.warning(
+                "step %d: the discriminator's ROC-AUC is %.3f, near 0.5 after warm-up: it does not separate replaced "
+                "from original tokens (try a lower learning rate, a smaller --rtd-weight or a stronger generator)",
+                self.state.global_step,
+                auc,
+            )
+
+    def evaluate(self, *args, **kwargs):
+        metrics = getattr(self.model, "metrics", None)
+        saved = None if metrics is None else (metrics.sums, metrics.histogram)
+        if metrics is not None:
+            metrics.reset()  # training sums since the last log wait until evaluation is over
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            if metrics is not None:
+                metrics.sums, metrics.histogram = saved

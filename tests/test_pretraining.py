@@ -1,0 +1,228 @@
+"""The pretraining objectives in-process: embedding sharing's gradients against standalone references, RTD labels,
+the masking collator, the logged metrics, and the merged export."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_models import TINY_CONFIG, tokenizer
+from transformers.modeling_outputs import MaskedLMOutput
+
+from disentangled import DisentangledConfig, DisentangledForMaskedLM
+from disentangled.modeling import DisentangledForReplacedTokenDetection
+from disentangled.pretraining import (
+    MaskingCollator,
+    PretrainingMetrics,
+    ReplacedTokenDetectionPretraining,
+    SharedEmbedding,
+    generator_config,
+    roc_auc_from_histograms,
+)
+
+V3 = dict(position_buckets=32, legacy=False, pos_att_type="p2c|c2p", share_att_key=True, relative_attention=True)
+RTD_WEIGHT = 10.0
+
+
+def configs(position_biased_input: bool = False) -> tuple[DisentangledConfig, DisentangledConfig]:
+    tok = tokenizer()
+    config = DisentangledConfig(
+        **{**TINY_CONFIG, **V3, "vocab_size": len(tok), "position_biased_input": position_biased_input}
+    )
+    return config, generator_config(config, num_layers=1)
+
+
+def make_module(sharing: str, position_biased_input: bool = False, seed: int = 0) -> ReplacedTokenDetectionPretraining:
+    config, gen_config = configs(position_biased_input)
+    torch.manual_seed(seed)
+    generator, discriminator = DisentangledForMaskedLM(gen_config), DisentangledForReplacedTokenDetection(config)
+    module = ReplacedTokenDetectionPretraining(generator, discriminator, sharing, RTD_WEIGHT)
+    for parameter in module.parameters():  # a trained-looking delta, so that E_D != E_G under gdes
+        if parameter is getattr(module.discriminator.deberta.embeddings.word_embeddings, "delta", None):
+            parameter.data.normal_(0, 0.02)
+    return module
+
+
+def batch(seed: int = 0) -> dict:
+    tok = tokenizer()
+    torch.manual_seed(seed)
+    texts = ["the quick brown fox sat on the mat", "a dog ran under the tree by the river bank today"]
+    encoded = [{"input_ids": ids} for ids in tok(texts)["input_ids"]]
+    return MaskingCollator(tok, objective="rtd", mlm_probability=0.4)(encoded)
+
+
+def grads(loss: torch.Tensor, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    found = torch.autograd.grad(loss, list(tensors.values()), allow_unused=True)
+    return {name: torch.zeros_like(t) if g is None else g for (name, t), g in zip(tensors.items(), found)}
+
+
+TABLES = ["word_embeddings", "position_embeddings"]
+
+
+@pytest.mark.parametrize(
+    "sharing,position_biased_input",
+    [("gdes", False), ("gdes", True), ("es", False), ("es", True), ("none", False)],
+    ids=lambda v: str(v),
+)
+def test_which_tables_each_loss_reaches(sharing, position_biased_input):
+    """Gradients of L = L_MLM + w * L_RTD against standalone generator / discriminator copies (merged tables)."""
+    module = make_module(sharing, position_biased_input)
+    inputs = batch()
+    torch.manual_seed(1)
+    out = module(**inputs)
+
+    gen_embeddings = module.generator.deberta.embeddings
+    disc_embeddings = module.discriminator.deberta.embeddings
+    tables = [name for name in TABLES if getattr(disc_embeddings, name) is not None]
+    assert tables == (TABLES if position_biased_input else TABLES[:1])
+    gen_tables = {name: getattr(gen_embeddings, name).weight for name in tables}
+    if sharing == "gdes":
+        disc_tables = {name: getattr(disc_embeddings, name).delta for name in tables}
+    elif sharing == "none":
+        disc_tables = {name: getattr(disc_embeddings, name).weight for name in tables}
+    else:
+        disc_tables = {}
+    got_gen = grads(out.loss, gen_tables)
+    got_disc = grads(out.loss, disc_tables) if disc_tables else {}
+
+    # References: a standalone generator and a standalone discriminator with E_D = E_G (+ E_delta) merged, on the
+    # very inputs the module used (the sample is in the output).
+    generator = copy.deepcopy(module.generator)
+    discriminator = module.export_discriminator().train()
+    gen_loss = generator(**inputs).loss
+    disc_loss = discriminator(
+        input_ids=out.discriminator_input_ids,
+        attention_mask=inputs["attention_mask"],
+        labels=out.discriminator_labels,
+    ).loss
+    torch.testing.assert_close(gen_loss, out.generator_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(disc_loss, out.discriminator_loss, rtol=1e-5, atol=1e-6)
+    ref_gen = grads(gen_loss, {name: getattr(generator.deberta.embeddings, name).weight for name in tables})
+    ref_disc = grads(disc_loss, {name: getattr(discriminator.deberta.embeddings, name).weight for name in tables})
+
+    for name in tables:
+        assert ref_gen[name].abs().sum() > 0 and ref_disc[name].abs().sum() > 0
+        if sharing == "es":  # one table: both losses
+            expected_gen = ref_gen[name] + RTD_WEIGHT * ref_disc[name]
+        else:  # gdes: sg(E_G) stops L_RTD; none: separate tables
+            expected_gen = ref_gen[name]
+        torch.testing.assert_close(got_gen[name], expected_gen, rtol=1e-4, atol=1e-7)
+        if sharing in ("gdes", "none"):  # E_delta (or E_D) gets w * dL_RTD/dE_D and nothing from L_MLM
+            torch.testing.assert_close(got_disc[name], RTD_WEIGHT * ref_disc[name], rtol=1e-4, atol=1e-7)
+
+
+def test_shared_tables_are_saved_once_and_exported_merged():
+    module = make_module("gdes")
+    keys = list(module.state_dict())
+    assert "discriminator.deberta.embeddings.word_embeddings.delta" in keys
+    assert "discriminator.deberta.embeddings.word_embeddings.weight" not in keys
+    shared = module.discriminator.deberta.embeddings.word_embeddings
+    assert isinstance(shared, SharedEmbedding)
+    exported = module.export_discriminator()
+    expected = module.generator.deberta.embeddings.word_embeddings.weight + shared.delta
+    torch.testing.assert_close(exported.deberta.embeddings.word_embeddings.weight, expected, rtol=0, atol=0)
+    assert type(exported.deberta.embeddings.word_embeddings) is torch.nn.Embedding
+    inputs = batch()
+    module.eval()
+    torch.testing.assert_close(
+        exported(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits,
+        module.discriminator(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits,
+    )
+    es = make_module("es")
+    assert not any("discriminator.deberta.embeddings.word_embeddings" in key for key in es.state_dict())
+
+
+def test_a_sample_equal_to_the_original_is_labelled_original():
+    """The generator is replaced by one that predicts the original at even masked positions and token 7 (never the
+    original there) at odd ones: labels are 0 / 1 accordingly, 0 at unmasked tokens, -100 at padding."""
+    module = make_module("none")
+    inputs = batch()
+    labels = inputs["labels"]
+    masked = labels != -100
+    assert masked.sum() >= 4
+    order = masked.flatten().cumsum(0).view_as(masked)  # 1, 2, 3 ... over the masked positions
+    wrong = masked & (order % 2 == 0) & (labels != 7)
+    vocab = module.generator.config.vocab_size
+
+    def certain_generator(input_ids, attention_mask=None, token_type_ids=None, labels=None):
+        target = torch.where(wrong, 7, torch.where(masked, labels, input_ids))
+        logits = torch.full((*input_ids.shape, vocab), -1e4)
+        logits.scatter_(-1, target.unsqueeze(-1), 1e4)  # sampling at temperature 1 returns the target
+        return MaskedLMOutput(loss=logits.sum() * 0, logits=logits)
+
+    module.generator.forward = certain_generator
+    out = module(**inputs)
+    expected = wrong.long().masked_fill(inputs["attention_mask"] == 0, -100)
+    assert torch.equal(out.discriminator_labels, expected)
+    assert (inputs["attention_mask"] == 0).any()  # padding was there to ignore
+    original = torch.where(masked, labels, inputs["input_ids"])
+    assert torch.equal(out.discriminator_input_ids, torch.where(wrong, 7, original))
+
+
+def test_sampling_carries_no_gradient_and_sharing_needs_equal_widths():
+    config, gen_config = configs()
+    wide = copy.deepcopy(gen_config)
+    wide.hidden_size, wide.intermediate_size = 64, 128
+    for sharing in ("gdes", "es"):
+        with pytest.raises(ValueError, match="wider than the discriminator"):
+            ReplacedTokenDetectionPretraining(
+                DisentangledForMaskedLM(wide), DisentangledForReplacedTokenDetection(config), sharing
+            )
+    ReplacedTokenDetectionPretraining(DisentangledForMaskedLM(wide), DisentangledForReplacedTokenDetection(config), "none")
+    module = make_module("gdes")
+    out = module(**batch())
+    assert not out.discriminator_input_ids.requires_grad and out.loss.requires_grad
+
+
+def test_masking_collator_rates_special_tokens_and_whole_words():
+    tok = tokenizer()
+    torch.manual_seed(0)
+    lines = ["the quick brown fox sat on the mat under a tree by the river"] * 400
+    examples = [{"input_ids": ids} for ids in tok(lines)["input_ids"]]
+    special = torch.tensor(tok.all_special_ids)
+
+    mlm = MaskingCollator(tok, objective="mlm")(examples)
+    picked = mlm["labels"] != -100
+    original = torch.where(picked, mlm["labels"], mlm["input_ids"])
+    assert not torch.isin(original[picked], special).any()
+    content = ~torch.isin(original, special)
+    assert abs(picked.sum() / content.sum() - 0.15) < 0.01
+    as_mask = (mlm["input_ids"] == tok.mask_token_id) & picked
+    unchanged = (mlm["input_ids"] == original) & picked
+    assert abs(as_mask.sum() / picked.sum() - 0.8) < 0.03
+    assert abs(unchanged.sum() / picked.sum() - 0.1) < 0.03  # (a random token may equal the original: rarely)
+    assert torch.equal(mlm["input_ids"][~picked], original[~picked])
+
+    rtd = MaskingCollator(tok, objective="rtd")(examples)
+    picked = rtd["labels"] != -100
+    assert torch.equal(rtd["input_ids"][picked], torch.full_like(rtd["input_ids"][picked], tok.mask_token_id))
+
+    whole = MaskingCollator(tok, objective="mlm", whole_word_mask=True, mlm_probability=0.3)(examples)
+    picked = whole["labels"] != -100
+    pieces = tok.convert_ids_to_tokens(examples[0]["input_ids"])
+    starts = torch.tensor([piece.startswith("▁") or piece in tok.all_special_tokens for piece in pieces])
+    word = starts.long().cumsum(0)
+    assert (~starts).any()  # some word has several pieces
+    for row in picked:  # each word is picked whole or not at all
+        for index in word.unique():
+            assert row[word == index].all() or not row[word == index].any()
+    assert abs(picked.float().mean() - 0.3 * content[0].float().mean()) < 0.05
+
+
+def test_roc_auc_matches_the_pairwise_definition():
+    torch.manual_seed(0)
+    logits = torch.randn(4000)
+    labels = (torch.rand(4000) < torch.sigmoid(2 * logits)).long()
+    metrics = PretrainingMetrics()
+    metrics.update_discriminator(torch.tensor(0.5), logits.view(40, 100), labels.view(40, 100))
+    result = metrics.compute()
+    positive, negative = logits[labels == 1], logits[labels == 0]
+    pairwise = ((positive[:, None] > negative[None, :]).double().mean()).item()
+    assert abs(result["discriminator_auc"] - pairwise) < 2e-3
+    predicted = logits > 0
+    true_positive = (predicted & (labels == 1)).sum().item()
+    assert result["discriminator_precision"] == pytest.approx(true_positive / predicted.sum().item(), abs=1e-4)
+    assert result["discriminator_recall"] == pytest.approx(true_positive / (labels == 1).sum().item(), abs=1e-4)
+    assert metrics.compute() == {}  # reading resets
+    assert roc_auc_from_histograms(torch.zeros(3), torch.ones(3)) != roc_auc_from_histograms(torch.zeros(3), torch.ones(3))
