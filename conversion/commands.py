@@ -11,6 +11,17 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="a local folder or a Hub repo id of a DeBERTa checkpoint (v1, v2, v3, mDeBERTa)")
     parser.add_argument("output_dir", help="folder to write (must be empty or absent unless --force)")
     parser.add_argument("--task", choices=list(TASKS), help="head to convert (default: the source's architectures)")
+    parser.add_argument(
+        "--enhanced-mask-decoder",
+        action="store_true",
+        help="masked-lm with DeBERTa's Enhanced Mask Decoder (needs the absolute position table; Microsoft's own "
+        "MLM checkpoints and generators use it by default)",
+    )
+    parser.add_argument(
+        "--generator",
+        action="store_true",
+        help="convert Microsoft's generator (pytorch_model.generator.bin + generator_config.json) beside the weights",
+    )
     parser.add_argument("--revision", help="Hub revision (branch, tag or commit) of the source")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="dtype of the written weights")
     parser.add_argument("--max-shard-size", default="5GB", help="shard the weights above this size (e.g. 2GB)")
@@ -30,6 +41,8 @@ def run_convert(args: argparse.Namespace) -> int:
         args.source,
         args.output_dir,
         task=args.task,
+        enhanced_mask_decoder=args.enhanced_mask_decoder,
+        generator=args.generator,
         revision=args.revision,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
@@ -80,6 +93,11 @@ def add_export_transformers_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("output_dir", help="a folder written by `disentangled convert` (or a Hub repo id of one)")
     parser.add_argument("hf_dir", help="folder to write in transformers' DeBERTa-v2 format")
     parser.add_argument("--revision", help="Hub revision when output_dir is a repo id")
+    parser.add_argument(
+        "--task",
+        choices=["base"],
+        help="export the encoder alone (for heads transformers cannot represent: the Enhanced Mask Decoder, RTD)",
+    )
     parser.add_argument("--no-verify", action="store_true", help="skip the parity check")
     parser.add_argument("--force", action="store_true", help="replace a non-empty hf_dir")
 
@@ -88,6 +106,11 @@ def run_export_transformers(args: argparse.Namespace) -> int:
     from .export import export_transformers
 
     export_transformers(
-        args.output_dir, args.hf_dir, revision=args.revision, verify=not args.no_verify, force=args.force
+        args.output_dir,
+        args.hf_dir,
+        revision=args.revision,
+        task=args.task,
+        verify=not args.no_verify,
+        force=args.force,
     )
     return 0

@@ -4,7 +4,9 @@ In order: `canonical_checkpoint` (any source layout -> transformers' own DeBERTa
 `convert_config`, `convert_state_dict` (rename every key, assert every shape), strict loads, `export_hub_folder`
 (config.json with auto_map, safetensors, tokenizer, the flat remote code), then parity (`load_bundled`, `compare`):
 the source through transformers' classes and the folder through its bundled remote code, on the same fixed
-padded batch. `convert` runs them all and moves the folder into place only when every step passed.
+padded batch. For the heads transformers has no class for (the Enhanced Mask Decoder, replaced-token detection),
+`heads.compare_head` checks the encoder against transformers' base model and recomputes the head from the source
+weights. `convert` runs them all and moves the folder into place only when every step passed.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,6 +24,7 @@ from torch import Tensor, nn
 
 from .bundle import auto_map, write_bundle
 from .deberta_v1 import convert_v1_config, convert_v1_state_dict
+from .heads import compare_head
 from .sources import SUPPORTED_MODEL_TYPES, Source, read_source
 
 TOLERANCE = 1e-4  # float32: max |ours - transformers| <= TOLERANCE * max(1, max |transformers|), per output
@@ -43,7 +46,12 @@ TASKS = {
     "token-classification": Head("ForTokenClassification", "AutoModelForTokenClassification", "token-classification"),
     "question-answering": Head("ForQuestionAnswering", "AutoModelForQuestionAnswering", "question-answering"),
     "multiple-choice": Head("ForMultipleChoice", "AutoModelForMultipleChoice", None),
+    "replaced-token-detection": Head("ForReplacedTokenDetection", "AutoModelForPreTraining", None),
 }
+NO_TRANSFORMERS_CLASS = ("replaced-token-detection",)  # and masked-lm with the Enhanced Mask Decoder
+POSITION_TABLE = "deberta.embeddings.position_embeddings.weight"
+# Gradient-disentangled embedding sharing (DeBERTa-v3) saves the discriminator's delta beside the merged table.
+GDES_DELTAS = ("deberta.embeddings.word_embeddings._weight", "deberta.embeddings.position_embeddings._weight")
 TRANSFORMERS_PREFIX = {"deberta": "Deberta", "deberta-v2": "DebertaV2"}
 
 # Source key -> transformers key; first match wins. Microsoft's package prefixes its encoder with "bert." or
@@ -51,6 +59,7 @@ TRANSFORMERS_PREFIX = {"deberta": "Deberta", "deberta-v2": "DebertaV2"}
 RENAMES = [
     (r"^bert\.", "deberta."),  # Microsoft, older checkpoints
     (r"^(embeddings|encoder)\.", r"deberta.\1."),  # Microsoft without prefix, or a transformers base model
+    (r"^mask_predictions\.classifer\.", "mask_predictions.classifier."),  # the spelling of Microsoft's RTD code
     (r"^(.*)$", r"\1"),  # transformers' keys (and the v2 -> ours map) are identities
 ]
 UNUSED_BUFFERS = re.compile(r"(^|\.)position_ids$")
@@ -76,6 +85,15 @@ class Checkpoint:
     config: dict
     state_dict: dict[str, Tensor]
     task: str
+    not_needed: list[str] = field(default_factory=list)  # source tensors the converted model has no use for
+
+    @property
+    def enhanced_mask_decoder(self) -> bool:
+        return bool(self.config.get("enhanced_mask_decoder"))
+
+    @property
+    def has_transformers_class(self) -> bool:
+        return self.task not in NO_TRANSFORMERS_CLASS and not self.enhanced_mask_decoder
 
 
 def _is_v1(state_dict: dict) -> bool:
@@ -83,7 +101,8 @@ def _is_v1(state_dict: dict) -> bool:
 
 
 def task_of(config: dict, state_dict: dict) -> str:
-    """The head named by `architectures`; without one, the MLM head when its weights are there, else the base model."""
+    """The head named by `architectures`; without one, the MLM head when its weights are there, the RTD head when
+    its weights are the only head weights (a DeBERTa-v3 discriminator), else the base model."""
     for architecture in config.get("architectures") or []:
         match = re.fullmatch(r"Deberta(?:V2)?(Model|For\w+)", architecture)
         for task, head in TASKS.items():
@@ -91,12 +110,20 @@ def task_of(config: dict, state_dict: dict) -> str:
                 return task
     if any(key.startswith(("lm_predictions.lm_head.", "cls.predictions.")) for key in state_dict):
         return "masked-lm"
+    if any(key.startswith("mask_predictions.") for key in state_dict):
+        return "replaced-token-detection"
     return "base"
 
 
-def canonical_checkpoint(source: Source, task: str | None = None) -> Checkpoint:
-    """The source as transformers would hold it (Microsoft's config fields and key prefixes normalised)."""
+def canonical_checkpoint(source: Source, task: str | None = None, enhanced_mask_decoder: bool = False) -> Checkpoint:
+    """The source as transformers would hold it (Microsoft's config fields and key prefixes normalised).
+
+    Microsoft's own masked-LM checkpoints (`lm_predictions.*` in their package's layout, and their generators) were
+    trained with the Enhanced Mask Decoder and convert with it; `enhanced_mask_decoder` asks for it on any masked-LM
+    source that has the absolute position table.
+    """
     state_dict = {rename_key(key): value for key, value in source.state_dict.items() if not UNUSED_BUFFERS.search(key)}
+    not_needed = _drop_gdes_deltas(state_dict)
     config = dict(source.config)
     if source.layout == "microsoft":
         config = _microsoft_config(config, state_dict)
@@ -105,15 +132,59 @@ def canonical_checkpoint(source: Source, task: str | None = None) -> Checkpoint:
         from disentangled.configuration.configuration_disentangled import DEBERTA_V2_ABSENT_DEFAULTS
 
         config = {**DEBERTA_V2_ABSENT_DEFAULTS, **config}
+    if source.generator:
+        if task not in (None, "masked-lm"):
+            raise ValueError(f"a generator is a masked-LM model; --task {task} does not apply to it")
+        task = "masked-lm"
     task = task or task_of(config, state_dict)
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     if task == "masked-lm":
         config["legacy"] = _mlm_layout_is_legacy(state_dict)
+    microsoft_mlm = task == "masked-lm" and (source.layout == "microsoft" or source.generator)
+    if enhanced_mask_decoder or microsoft_mlm:
+        _require_decoder_weights(task, config, state_dict, source.name)
+        config["enhanced_mask_decoder"] = True
+    elif not config.get("position_biased_input", True):  # the table only the decoder reads
+        if state_dict.pop(POSITION_TABLE, None) is not None:
+            not_needed.append(POSITION_TABLE)
     if task in ("sequence-classification", "token-classification", "multiple-choice"):
         _fit_num_labels(config, state_dict)
     config["architectures"] = [TRANSFORMERS_PREFIX[model_type] + TASKS[task].suffix]
-    return Checkpoint(model_type, config, state_dict, task)
+    return Checkpoint(model_type, config, state_dict, task, not_needed)
+
+
+def _drop_gdes_deltas(state_dict: dict) -> list[str]:
+    """Remove GDES's embedding deltas (`E_delta`, saved as `_weight`) where the merged table is there; refuse
+    a checkpoint that has a delta without its merged table (the delta alone is not the embedding)."""
+    dropped = []
+    for delta in GDES_DELTAS:
+        if delta not in state_dict:
+            continue
+        merged = delta.removesuffix("._weight") + ".weight"
+        if merged not in state_dict:
+            raise ValueError(
+                f"the checkpoint has the embedding-sharing delta {delta} but not the merged table {merged}; "
+                "save the discriminator with its merged embeddings (E_generator + E_delta) and convert that"
+            )
+        del state_dict[delta]
+        dropped.append(delta)
+    return dropped
+
+
+def _require_decoder_weights(task: str, config: dict, state_dict: dict, name: str) -> None:
+    if task != "masked-lm":
+        raise ValueError(f"--enhanced-mask-decoder applies to the masked-lm task, not {task}")
+    if config["legacy"]:
+        raise ValueError(
+            "the Enhanced Mask Decoder feeds DeBERTa's own MLM head (lm_predictions.lm_head.*); this source has "
+            "transformers' cls.predictions head instead: convert without --enhanced-mask-decoder"
+        )
+    if POSITION_TABLE not in state_dict:
+        raise ValueError(
+            f"the Enhanced Mask Decoder reads the absolute position table, and {name} has no {POSITION_TABLE}; "
+            "convert without --enhanced-mask-decoder"
+        )
 
 
 def _microsoft_config(config: dict, state_dict: dict) -> dict:
@@ -125,8 +196,6 @@ def _microsoft_config(config: dict, state_dict: dict) -> dict:
     word_embeddings = state_dict.get("deberta.embeddings.word_embeddings.weight")
     if word_embeddings is not None and int(config.get("vocab_size", -1)) <= 0:
         config["vocab_size"] = word_embeddings.shape[0]
-    if not config.get("position_biased_input", True):  # their embeddings keep an unused absolute table
-        state_dict.pop("deberta.embeddings.position_embeddings.weight", None)
     return config
 
 
@@ -142,6 +211,12 @@ def _fit_num_labels(config: dict, state_dict: dict) -> None:
     classifier = state_dict.get("classifier.weight")
     if classifier is not None and "id2label" not in config and "num_labels" not in config:
         config["num_labels"] = classifier.shape[0]
+
+
+def reference_class(checkpoint: Checkpoint) -> type[nn.Module]:
+    """transformers' class for the checkpoint's head, or its base model where transformers has no such head."""
+    task = checkpoint.task if checkpoint.has_transformers_class else "base"
+    return transformers_class(checkpoint.model_type, task)
 
 
 def transformers_class(model_type: str, task: str) -> type[nn.Module]:
@@ -380,6 +455,8 @@ def convert(
     output_dir: str | Path,
     *,
     task: str | None = None,
+    enhanced_mask_decoder: bool = False,
+    generator: bool = False,
     revision: str | None = None,
     token: str | None = None,
     dtype: str = "float32",
@@ -389,7 +466,11 @@ def convert(
     repo_id: str | None = None,
     log=print,
 ) -> ConversionResult:
-    """Convert `source` (a folder or Hub repo id) into `output_dir`; raises ValueError when parity fails."""
+    """Convert `source` (a folder or Hub repo id) into `output_dir`; raises ValueError when parity fails.
+
+    `generator` reads Microsoft's generator (`pytorch_model.generator.bin`, `generator_config.json`) instead of the
+    discriminator; `enhanced_mask_decoder` converts a masked-LM source with the decoder (see `canonical_checkpoint`).
+    """
     from disentangled import modeling
 
     from .model_card import write_model_card
@@ -399,29 +480,35 @@ def convert(
     output_dir = check_output(output_dir, force, local_source if local_source.is_dir() else None)
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}")
-    read = read_source(source, revision=revision, token=token)
-    checkpoint = canonical_checkpoint(read, task)
+    read = read_source(source, revision=revision, token=token, generator=generator)
+    checkpoint = canonical_checkpoint(read, task, enhanced_mask_decoder)
     head = TASKS[checkpoint.task]
+    decoder = ", with the Enhanced Mask Decoder" if checkpoint.enhanced_mask_decoder else ""
     log(
-        f"source: {source} ({read.layout} layout, model_type {checkpoint.model_type}, "
-        f"{SUPPORTED_MODEL_TYPES[checkpoint.model_type]}), head {checkpoint.task}, weights {', '.join(read.weight_files)}"
+        f"source: {source} ({read.layout} layout{', generator' if read.generator else ''}, model_type "
+        f"{checkpoint.model_type}, {SUPPORTED_MODEL_TYPES[checkpoint.model_type]}), head {checkpoint.task}{decoder}, "
+        f"weights {', '.join(read.weight_files)}"
     )
+    if checkpoint.not_needed:
+        log(f"not needed (merged tables or an unused absolute table are converted instead): {checkpoint.not_needed}")
 
     # The reference: transformers' own class on the source weights, rounded to the output dtype first so that
-    # the parity check measures the code, not the rounding.
+    # the parity check measures the code, not the rounding. Heads transformers lacks: its base model (heads.py).
     reference_config = transformers_config(checkpoint)
-    reference = transformers_class(checkpoint.model_type, checkpoint.task)(reference_config)
+    reference = reference_class(checkpoint)(reference_config)
     rounded = {k: v.to(DTYPES[dtype]).float() if v.is_floating_point() else v for k, v in checkpoint.state_dict.items()}
     load_strict(reference, rounded, f"transformers' {type(reference).__name__}")
-    if dropped := dropped_keys(reference, checkpoint.state_dict):
-        log(f"not converted (unused by the {checkpoint.task} head): {_summarise(dropped)}")
+    del rounded
 
     config = convert_config(checkpoint)
     ours = getattr(modeling, "Disentangled" + head.suffix)(config)
-    load_strict(ours, convert_state_dict(checkpoint, config), type(ours).__name__)
+    converted = convert_state_dict(checkpoint, config)
+    load_strict(ours, converted, type(ours).__name__)
+    if dropped := dropped_keys(ours, converted):
+        log(f"not converted (unused by the {checkpoint.task} head): {_summarise(dropped)}")
+    del converted
     if dtype != "float32":
         ours = ours.to(DTYPES[dtype])
-    del rounded
 
     staging = prepare_output(output_dir, force, read.folder)
     try:
@@ -432,7 +519,10 @@ def convert(
         batch = fixed_batch(config.vocab_size, config.max_position_embeddings, head.suffix == "ForMultipleChoice")
         if verify:
             bundled = load_bundled(staging, "Disentangled" + head.suffix)
-            figures = compare(reference, bundled, batch)
+            if checkpoint.has_transformers_class:
+                figures = compare(reference, bundled, batch)
+            else:
+                figures = compare_head(checkpoint.task, reference, bundled, config, checkpoint.state_dict, batch, dtype)
             log(f"parity (transformers {transformers.__version__}, float32): {format_figures(figures)}")
             if not within_tolerance(figures):
                 raise ValueError(f"parity check failed: {format_figures(figures)}")

@@ -1,7 +1,9 @@
 """A converted folder -> transformers' native DeBERTa-v2 format (no remote code), verified the same way as `convert`.
 
 Parameter names are already DeBERTa-v2's, so the weights map one to one; the config drops `auto_map` and names
-transformers' classes. Every field this architecture reads has a DeBERTa-v2 meaning except the optional `p2p` term.
+transformers' classes. Every field this architecture reads has a DeBERTa-v2 meaning except the optional `p2p` term,
+and transformers has no class for DeBERTa's replaced-token-detection head or its Enhanced Mask Decoder: such a folder
+exports with `task="base"`, the encoder alone.
 """
 
 from __future__ import annotations
@@ -26,7 +28,15 @@ from .convert import (
 from .sources import TOKENIZER_FILES, load_weights, resolve_folder
 
 OPTIONAL = ("embedding_size", "attention_head_size", "pooler_hidden_size", "cls_dropout")
-DROPPED_FIELDS = ("model_type", "auto_map", "architectures", "transformers_version", "dtype", "torch_dtype")
+DROPPED_FIELDS = (
+    "model_type",
+    "auto_map",
+    "architectures",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "enhanced_mask_decoder",  # no DeBERTa-v2 meaning (see refuse_unrepresentable)
+)
 
 
 def task_of_architecture(architecture: str) -> str:
@@ -47,15 +57,30 @@ def deberta_v2_config(config: dict) -> transformers.DebertaV2Config:
     return transformers.DebertaV2Config(**fields)
 
 
+def refuse_unrepresentable(task: str, config: dict) -> None:
+    if task == "replaced-token-detection":
+        raise ValueError(
+            "transformers has no class for DeBERTa's replaced-token-detection head (mask_predictions); "
+            "export the encoder alone with --task base"
+        )
+    if task == "masked-lm" and config.get("enhanced_mask_decoder"):
+        raise ValueError(
+            "transformers' DeBERTa-v2 masked-LM head reads the last layer, not the Enhanced Mask Decoder "
+            "(enhanced_mask_decoder=True), and would predict differently; export the encoder alone with --task base"
+        )
+
+
 def export_transformers(
     folder: str | Path,
     hf_dir: str | Path,
     *,
     revision: str | None = None,
+    task: str | None = None,
     verify: bool = True,
     force: bool = False,
     log=print,
 ) -> dict | None:
+    """`task="base"` exports the encoder alone; otherwise the folder's own head."""
     from disentangled import modeling
 
     source_folder, _ = resolve_folder(str(folder), revision)
@@ -67,7 +92,10 @@ def export_transformers(
         raise ValueError(
             f"{source_folder} is not a disentangled model folder (model_type {config.get('model_type')!r})"
         )
-    task = task_of_architecture((config.get("architectures") or ["DisentangledModel"])[0])
+    folder_task = task_of_architecture((config.get("architectures") or ["DisentangledModel"])[0])
+    if task is None:
+        refuse_unrepresentable(folder_task, config)
+    task = task or folder_task
     head = TASKS[task]
     v2_config = deberta_v2_config(config)
     v2_config.architectures = ["DebertaV2" + head.suffix]

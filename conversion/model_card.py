@@ -75,7 +75,17 @@ def render_model_card(
         converter_version=f"disentangled {__version__}",
         transformers_version=transformers.__version__,
         parity_rows=rows,
-        reference_class=TRANSFORMERS_PREFIX[checkpoint.model_type] + head.suffix,
+        reference_class=TRANSFORMERS_PREFIX[checkpoint.model_type]
+        + (head.suffix if checkpoint.has_transformers_class else "Model"),
+        enhanced_mask_decoder=checkpoint.enhanced_mask_decoder,
+        head_reference=None
+        if checkpoint.has_transformers_class
+        else (
+            "Microsoft's replaced-token-detection head on that encoder's output"
+            if checkpoint.task == "replaced-token-detection"
+            else "the Enhanced Mask Decoder run through transformers' own last DeBERTa-v2 layer (twice, with "
+            "`query_states`) and the MLM head"
+        ),
         batch_lengths=batch_lengths,
     )
     return card

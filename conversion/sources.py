@@ -4,7 +4,9 @@ Two families of layout are read:
 - transformers' own (`config.json` with model_type `deberta` or `deberta-v2`; `model.safetensors` or
   `pytorch_model.bin`, either one sharded with an index);
 - Microsoft's `DeBERTa` package (`pytorch.model.bin` or `pytorch_model.bin`; the config in `model_config.json`,
-  in a `config.json` without model_type, or inside the state dict as `config`).
+  in a `config.json` without model_type, or inside the state dict as `config`);
+- Microsoft's DeBERTa-v3 generators, released beside the discriminator: `pytorch_model.generator.bin` with
+  `generator_config.json`, read when asked for (`generator=True`) or when they are the folder's only weights.
 
 Pickled files are read with `torch.load(weights_only=True)` only. Python files in a source are never downloaded.
 """
@@ -37,6 +39,7 @@ TOKENIZER_FILES = (
     "vocab.txt",
 )
 CONFIG_FILES = ("config.json", "model_config.json")
+GENERATOR_WEIGHTS, GENERATOR_CONFIG = "pytorch_model.generator.bin", "generator_config.json"
 CARD_FILE = "README.md"  # read for its license only
 # A Hub repo id: "name" or "owner/name", letters, digits, "-", "_", "." (no "--" or ".." and no leading/trailing "-.").
 REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
@@ -54,6 +57,7 @@ class Source:
     repo_id: str | None = None  # set when fetched from the Hub
     revision: str | None = None
     weight_files: list[str] = field(default_factory=list)
+    generator: bool = False  # Microsoft's generator (a masked-LM model trained with the Enhanced Mask Decoder)
 
     @property
     def license(self) -> str | None:
@@ -80,7 +84,9 @@ def is_repo_id(text: str) -> bool:
     return bool(REPO_ID.match(text)) and "--" not in text and ".." not in text and not text.endswith((".", "-"))
 
 
-def resolve_folder(source: str, revision: str | None = None, token: str | None = None) -> tuple[Path, str | None]:
+def resolve_folder(
+    source: str, revision: str | None = None, token: str | None = None, generator: bool = False
+) -> tuple[Path, str | None]:
     """A local folder for `source`, downloading the config, weight and tokenizer files when it is a Hub repo id.
 
     Returns (folder, repo_id or None). The Hub is reached through huggingface_hub, which honours `HF_TOKEN`,
@@ -93,10 +99,10 @@ def resolve_folder(source: str, revision: str | None = None, token: str | None =
         raise ValueError(f"source {source!r} is a file; give the folder that holds the checkpoint")
     if not is_repo_id(source):
         raise FileNotFoundError(f"source {source!r} is neither a folder nor a valid Hub repo id")
-    return _download(source, revision, token), source
+    return _download(source, revision, token, generator), source
 
 
-def _download(repo_id: str, revision: str | None, token: str | None) -> Path:
+def _download(repo_id: str, revision: str | None, token: str | None, generator: bool = False) -> Path:
     from huggingface_hub import HfApi, constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -107,12 +113,18 @@ def _download(repo_id: str, revision: str | None, token: str | None) -> Path:
     from huggingface_hub.utils import HfHubHTTPError
 
     try:
+        configs = (*CONFIG_FILES, GENERATOR_CONFIG)
         if constants.HF_HUB_OFFLINE:
-            wanted = [*CONFIG_FILES, *TOKENIZER_FILES, CARD_FILE, "*.safetensors", "*.bin", "*.index.json"]
+            wanted = [*configs, *TOKENIZER_FILES, CARD_FILE, "*.safetensors", "*.bin", "*.index.json"]
         else:
             available = set(HfApi().list_repo_files(repo_id, revision=revision, token=token))
-            wanted = [name for name in (*CONFIG_FILES, *TOKENIZER_FILES, CARD_FILE) if name in available]
-            wanted += _weight_files_of(available, repo_id)
+            wanted = [name for name in (*configs, *TOKENIZER_FILES, CARD_FILE) if name in available]
+            if generator:
+                if GENERATOR_WEIGHTS not in available:
+                    raise FileNotFoundError(f"Hub repo {repo_id!r} has no generator ({GENERATOR_WEIGHTS})")
+                wanted.append(GENERATOR_WEIGHTS)
+            else:
+                wanted += _weight_files_of(available, repo_id)
         # allow_patterns never names a .py file: a source's code is not even downloaded.
         return Path(snapshot_download(repo_id, revision=revision, token=token, allow_patterns=wanted))
     except (RepositoryNotFoundError, GatedRepoError) as error:
@@ -136,6 +148,8 @@ def _weight_files_of(available: set[str], repo_id: str) -> list[str]:
             return [index] + sorted(name for name in available if name.startswith(stem + "-") and "/" not in name)
         if single in available:
             return [single]
+    if GENERATOR_WEIGHTS in available:  # a repo that holds only a generator
+        return [GENERATOR_WEIGHTS]
     raise FileNotFoundError(f"Hub repo {repo_id!r} has no weight file (looked for {_weight_names()})")
 
 
@@ -214,13 +228,43 @@ def read_config(folder: Path, state_dict: dict) -> tuple[dict, str]:
     return config, "transformers"
 
 
-def read_source(source: str, revision: str | None = None, token: str | None = None) -> Source:
-    folder, repo_id = resolve_folder(source, revision, token)
-    config_present = any((folder / name).is_file() for name in CONFIG_FILES)
-    if config_present:  # fail on a foreign model_type before reading gigabytes of weights
-        read_config(folder, {})
-    state_dict, files = load_weights(folder)
-    config, layout = read_config(folder, state_dict)
+def is_generator_only(folder: Path) -> bool:
+    """The folder's only weights are a generator's."""
+    has_other = any((folder / name).is_file() for pair in WEIGHT_FILES for name in pair if name)
+    return (folder / GENERATOR_WEIGHTS).is_file() and not has_other
+
+
+def read_generator(folder: Path) -> tuple[dict, str, dict, list[str]]:
+    """Microsoft's generator: its config (generator_config.json) and layout, its tensors and the files read."""
+    for name in (GENERATOR_WEIGHTS, GENERATOR_CONFIG):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(
+                f"no {name} in {folder}: a generator is read from {GENERATOR_WEIGHTS} with {GENERATOR_CONFIG}"
+            )
+    try:
+        config = json.loads((folder / GENERATOR_CONFIG).read_text())
+    except ValueError as error:
+        raise ValueError(f"{GENERATOR_CONFIG} is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{GENERATOR_CONFIG} does not hold a JSON object")
+    model_type = config.get("model_type")
+    if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{GENERATOR_CONFIG}: model_type {model_type!r} is not a DeBERTa")
+    state_dict = load_tensors(folder / GENERATOR_WEIGHTS)
+    return config, "microsoft" if model_type is None else "transformers", state_dict, [GENERATOR_WEIGHTS]
+
+
+def read_source(source: str, revision: str | None = None, token: str | None = None, generator: bool = False) -> Source:
+    folder, repo_id = resolve_folder(source, revision, token, generator)
+    generator = generator or is_generator_only(folder)
+    if generator:
+        config, layout, state_dict, files = read_generator(folder)
+    else:
+        config_present = any((folder / name).is_file() for name in CONFIG_FILES)
+        if config_present:  # fail on a foreign model_type before reading gigabytes of weights
+            read_config(folder, {})
+        state_dict, files = load_weights(folder)
+        config, layout = read_config(folder, state_dict)
     tensors = {key: value for key, value in state_dict.items() if isinstance(value, Tensor)}
     if not tensors:
         raise ValueError(f"the weight files of {source!r} hold no tensors")
@@ -233,4 +277,5 @@ def read_source(source: str, revision: str | None = None, token: str | None = No
         repo_id=repo_id,
         revision=revision,
         weight_files=files,
+        generator=generator,
     )

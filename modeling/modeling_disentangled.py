@@ -777,6 +777,9 @@ class DisentangledForMaskedLM(DisentangledPreTrainedModel):
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
+        cu_seqlens = packed_bounds(kwargs)
+        if self.use_decoder:  # the absolute positions Z, checked before the encoder runs
+            position_ids = self.decoder_positions(position_ids, input_shape(input_ids, inputs_embeds), cu_seqlens)
         outputs = self.deberta(
             input_ids,
             attention_mask,
@@ -791,7 +794,7 @@ class DisentangledForMaskedLM(DisentangledPreTrainedModel):
         sequence_output = outputs.last_hidden_state
         if self.use_decoder:
             sequence_output = self.enhanced_mask_decoder(
-                outputs.hidden_states[-2], attention_mask, position_ids, packed_bounds(kwargs)
+                outputs.hidden_states[-2], attention_mask, position_ids, cu_seqlens
             )
             if not output_hidden_states:
                 outputs.hidden_states = None
@@ -802,11 +805,33 @@ class DisentangledForMaskedLM(DisentangledPreTrainedModel):
         loss = _cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1)) if labels is not None else None
         return _finish(MaskedLMOutput, return_dict, loss, outputs, logits=logits)
 
+    def decoder_positions(
+        self, position_ids: Tensor | None, shape: list[int], cu_seqlens: tuple[int, ...] | None = None
+    ) -> Tensor:
+        """The rows of the absolute table the decoder reads ([1 or B, L]), within `max_position_embeddings`."""
+        limit = self.config.max_position_embeddings
+        device = self.deberta.embeddings.position_embeddings.weight.device
+        if position_ids is not None:
+            validate_labels("position_ids", position_ids, [list(position_ids.shape)], 0, limit)
+            return position_ids
+        if cu_seqlens is not None:  # positions restart with every packed sequence
+            longest = max(last - first for first, last in zip(cu_seqlens[:-1], cu_seqlens[1:]))
+            position_ids = packed_position_ids(cu_seqlens, device)
+        else:
+            longest = shape[-1]
+            position_ids = torch.arange(longest, device=device)[None]
+        if longest > limit:
+            raise ValueError(
+                f"the enhanced mask decoder reads absolute positions: a sequence of {longest} tokens exceeds "
+                f"max_position_embeddings={limit}; truncate the input"
+            )
+        return position_ids
+
     def enhanced_mask_decoder(
         self,
         hidden_states: Tensor,
         attention_mask: Tensor | None,
-        position_ids: Tensor | None,
+        position_ids: Tensor,
         cu_seqlens: tuple[int, ...] | None = None,
     ) -> Tensor:
         """DeBERTa's Enhanced Mask Decoder: the states the MLM head reads, [B, L, hidden].
@@ -820,27 +845,8 @@ class DisentangledForMaskedLM(DisentangledPreTrainedModel):
 
         Relative positions and the key mask are the encoder's (the query and key lengths are equal).
         """
-        config = self.config
         encoder = self.deberta.encoder
         length = hidden_states.shape[1]
-        if position_ids is None:
-            if cu_seqlens is not None:  # positions restart with every packed sequence
-                position_ids = packed_position_ids(cu_seqlens, hidden_states.device)
-            else:
-                position_ids = torch.arange(length, device=hidden_states.device)[None]
-                if length > config.max_position_embeddings:
-                    raise ValueError(
-                        f"the enhanced mask decoder reads absolute positions: length {length} exceeds "
-                        f"max_position_embeddings={config.max_position_embeddings}; truncate the input"
-                    )
-        else:
-            validate_labels(
-                "position_ids",
-                position_ids,
-                [list(position_ids.shape)],
-                0,
-                config.max_position_embeddings,
-            )
         if cu_seqlens is not None or attention_mask is None:
             pair_mask = None
         else:

@@ -7,7 +7,13 @@
   tokenizer.json;
 - Microsoft's `DeBERTa` package layouts: `bert.`/`deberta.`/no key prefix, `model_config.json`, a config.json
   without model_type or a config inside the state dict, `padding_idx`, `pos_att_type` as "c2p|p2c",
-  `lm_predictions.*`, and the unused absolute `position_embeddings`.
+  `lm_predictions.*` with the absolute `position_embeddings` (masked-LM models trained with the Enhanced Mask
+  Decoder, whose reference is `EmdReference`), and an RTD discriminator (`mask_predictions.*`, with the
+  `classifer` spelling of Microsoft's code);
+- a DeBERTa-v3 discriminator as released on the Hub: transformers' layout with both heads, the absolute table and
+  the GDES embedding delta (`word_embeddings._weight`), converted three ways (`--task replaced-token-detection`,
+  `--enhanced-mask-decoder`, and `--generator` for the `pytorch_model.generator.bin` + `generator_config.json`
+  beside it).
 
 Shapes are small (hidden 64, 2 layers) but keep each generation's attention fields.
 """
@@ -17,10 +23,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import transformers
 from deberta_shapes import V1_SHAPES, V2_SHAPES
+from emd_reference import Spec, emd_states, layer_norm, mlm_logits, prefixed, rtd_logits, v1_layer_weights
 from parity import inflate_weights
 from spm_fixture import SPM_VOCAB_SIZE, write_deberta_v3_tokenizer_files
 
@@ -136,15 +144,66 @@ def microsoft_state_dict(model: torch.nn.Module, prefix: str) -> dict:
     return state_dict
 
 
+class EmdReference(torch.nn.Module):
+    """Microsoft's masked-LM logits, through the Enhanced Mask Decoder, from a transformers MLM model's weights (the
+    encoder and `lm_predictions.lm_head`) and the absolute table: `emd_reference`, no module of ours."""
+
+    def __init__(self, model: torch.nn.Module, table: torch.Tensor):
+        super().__init__()
+        self.model, self.table, self.base, self.config = model, table, model.deberta, model.config
+
+    def forward(self, input_ids, attention_mask, **_):
+        config = self.model.config
+        spec = Spec.of(config)
+        weights = self.model.state_dict()
+        hidden = self.base(input_ids, attention_mask, output_hidden_states=True).hidden_states[-2]
+        layer = prefixed(weights, f"deberta.encoder.layer.{config.num_hidden_layers - 1}.")
+        if config.model_type == "deberta":
+            layer = v1_layer_weights(layer, config.num_attention_heads)
+        rel_table = weights["deberta.encoder.rel_embeddings.weight"]
+        if "layer_norm" in str(getattr(config, "norm_rel_ebd", "none")):
+            rel_table = layer_norm(rel_table, weights, "deberta.encoder.LayerNorm", spec.eps)
+        states = emd_states(layer, spec, rel_table, hidden, self.table, attention_mask.bool())
+        head = prefixed(weights, "lm_predictions.lm_head.")
+        word_embeddings = weights["deberta.embeddings.word_embeddings.weight"]
+        return SimpleNamespace(logits=mlm_logits(head, word_embeddings, states, spec.eps))
+
+
+class RtdReference(torch.nn.Module):
+    """Microsoft's replaced-token-detection logits from a transformers base model and the head's tensors."""
+
+    def __init__(self, base: torch.nn.Module, head: dict[str, torch.Tensor]):
+        super().__init__()
+        self.base, self.head, self.config = base, head, base.config
+
+    def forward(self, input_ids, attention_mask, **_):
+        hidden = self.base(input_ids, attention_mask).last_hidden_state
+        return SimpleNamespace(logits=rtd_logits(self.head, hidden, self.base.config.layer_norm_eps))
+
+
+def rtd_head(hidden: int, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "dense.weight": torch.randn(hidden, hidden, generator=generator) / hidden**0.5,
+        "dense.bias": 0.1 * torch.randn(hidden, generator=generator),
+        "LayerNorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+        "LayerNorm.bias": 0.1 * torch.randn(hidden, generator=generator),
+        "classifier.weight": torch.randn(1, hidden, generator=generator) / hidden**0.5,
+        "classifier.bias": 0.1 * torch.randn(1, generator=generator),
+    }
+
+
 def microsoft_cases(root: Path, spm_model: Path | None = None) -> list[Case]:
     cases = []
-    # v1 MLM as their package saves it: "bert." prefix, model_config.json, pytorch.model.bin
+    # v1 MLM as their package saves it: "bert." prefix, model_config.json, pytorch.model.bin; the decoder's table
     model = build_model("v1", "ForMaskedLM", seed=2, legacy=False)
     folder = root / "ms-v1-mlm"
     folder.mkdir(parents=True)
-    torch.save(microsoft_state_dict(model, "bert."), folder / "pytorch.model.bin")
+    state_dict = microsoft_state_dict(model, "bert.")
+    torch.save(state_dict, folder / "pytorch.model.bin")
     (folder / "model_config.json").write_text(json.dumps(microsoft_config(model)))
-    cases.append(Case("ms-v1-mlm", folder, model, "AutoModelForMaskedLM", model.config.vocab_size))
+    reference = EmdReference(model, state_dict["bert.embeddings.position_embeddings.weight"])
+    cases.append(Case("ms-v1-mlm", folder, reference, "AutoModelForMaskedLM", model.config.vocab_size))
 
     # v2 encoder without prefix, the config inside the state dict
     model = build_model("v2", "Model", seed=3)
@@ -159,9 +218,77 @@ def microsoft_cases(root: Path, spm_model: Path | None = None) -> list[Case]:
     model = build_model("v3", "ForMaskedLM", seed=4, legacy=False)
     folder = root / "ms-v3-mlm"
     folder.mkdir(parents=True)
-    torch.save(microsoft_state_dict(model, "deberta."), folder / "pytorch_model.bin")
+    state_dict = microsoft_state_dict(model, "deberta.")
+    torch.save(state_dict, folder / "pytorch_model.bin")
     (folder / "config.json").write_text(json.dumps(microsoft_config(model)))
     write_deberta_v3_tokenizer_files(folder, spm_model)
     (folder / "tokenizer_config.json").unlink()
-    cases.append(Case("ms-v3-mlm", folder, model, "AutoModelForMaskedLM", model.config.vocab_size, tokenizer=True))
+    reference = EmdReference(model, state_dict["deberta.embeddings.position_embeddings.weight"])
+    cases.append(Case("ms-v3-mlm", folder, reference, "AutoModelForMaskedLM", model.config.vocab_size, tokenizer=True))
+
+    # v3 RTD discriminator as their ReplacedTokenDetectionModel saves it: only `mask_predictions.*` as head weights
+    model = build_model("v3", "Model", seed=5)
+    folder = root / "ms-v3-rtd"
+    folder.mkdir(parents=True)
+    head = rtd_head(model.config.hidden_size, seed=5)
+    state_dict = microsoft_state_dict(model, "deberta.")
+    state_dict.update({"mask_predictions." + k.replace("classifier", "classifer"): v for k, v in head.items()})
+    torch.save(state_dict, folder / "pytorch_model.bin")
+    (folder / "config.json").write_text(json.dumps(microsoft_config(model)))
+    cases.append(
+        Case("ms-v3-rtd", folder, RtdReference(model, head), "AutoModelForPreTraining", model.config.vocab_size)
+    )
     return cases
+
+
+def hub_v3_discriminator_cases(root: Path) -> list[Case]:
+    """microsoft/deberta-v3-* as on the Hub: config.json (deberta-v2), pytorch_model.bin with both heads, the absolute
+    table and the GDES delta, and the generator beside it (pytorch_model.generator.bin, generator_config.json)."""
+    model = build_model("v3", "ForMaskedLM", seed=6, legacy=False)
+    folder = root / "hub-v3-discriminator"
+    folder.mkdir(parents=True)
+    hidden = model.config.hidden_size
+    head = rtd_head(hidden, seed=6)
+    state_dict = dict(model.state_dict())
+    table = torch.randn(model.config.max_position_embeddings, hidden, generator=torch.Generator().manual_seed(6))
+    state_dict["deberta.embeddings.position_embeddings.weight"] = table
+    state_dict["deberta.embeddings.word_embeddings._weight"] = torch.randn_like(  # the GDES delta: not needed
+        state_dict["deberta.embeddings.word_embeddings.weight"]
+    )
+    state_dict.update({"mask_predictions." + k: v for k, v in head.items()})
+    torch.save(state_dict, folder / "pytorch_model.bin")
+    config = {k: v for k, v in model.config.to_dict().items() if k not in ("architectures", "transformers_version")}
+    (folder / "config.json").write_text(json.dumps(config))
+
+    generator = build_model("v3", "ForMaskedLM", seed=7, legacy=False, num_hidden_layers=1)  # H = the embeddings
+    generator_state = microsoft_state_dict(generator, "deberta.")
+    torch.save(generator_state, folder / "pytorch_model.generator.bin")
+    (folder / "generator_config.json").write_text(json.dumps(microsoft_config(generator)))
+
+    vocab = model.config.vocab_size
+    return [
+        Case(
+            "hub-v3-rtd",
+            folder,
+            RtdReference(model.deberta, head),
+            "AutoModelForPreTraining",
+            vocab,
+            convert_args=("--task", "replaced-token-detection"),
+        ),
+        Case(
+            "hub-v3-emd",
+            folder,
+            EmdReference(model, table),
+            "AutoModelForMaskedLM",
+            vocab,
+            convert_args=("--enhanced-mask-decoder",),
+        ),
+        Case(
+            "hub-v3-generator",
+            folder,
+            EmdReference(generator, generator_state["deberta.embeddings.position_embeddings.weight"]),
+            "AutoModelForMaskedLM",
+            vocab,
+            convert_args=("--generator",),
+        ),
+    ]

@@ -18,7 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conversion_sources import Case, hub_deberta_v3_base_case, microsoft_cases, transformers_cases
+from conversion_sources import (
+    Case,
+    hub_deberta_v3_base_case,
+    hub_v3_discriminator_cases,
+    microsoft_cases,
+    transformers_cases,
+)
 from isolated import PYTHON_4_57, run_isolated, system_python
 from safetensors.torch import load_file, save_file
 from spm_fixture import train_spm
@@ -65,12 +71,14 @@ def converted(tmp_path_factory) -> list[Case]:
         *transformers_cases(root / "sources"),
         hub_deberta_v3_base_case(root / "sources", spm_model),
         *microsoft_cases(root / "sources", spm_model),
+        *hub_v3_discriminator_cases(root / "sources"),
     ]
     for case in cases:
         case.output = root / "out" / case.name
         log = io.StringIO()
         with redirect_stdout(log):
-            code = cli.main(["convert", str(case.source), str(case.output), *EXTRA_ARGS.get(case.name, ())])
+            args = (*EXTRA_ARGS.get(case.name, ()), *case.convert_args)
+            code = cli.main(["convert", str(case.source), str(case.output), *args])
         case.log = log.getvalue()
         assert code == 0, case.log
         batch = batch_of(case)
@@ -266,7 +274,6 @@ EXPORTED = [
     "mdeberta-ForSequenceClassification",
     "mdeberta-ForTokenClassification",  # bfloat16 weights stay bfloat16
     "hub-v3-base",  # legacy=False MLM head
-    "ms-v1-mlm",
     "ms-v2-base",
 ]
 
@@ -291,6 +298,52 @@ def test_export_transformers_round_trip(converted, tmp_path):
             outputs = named_outputs(native(**batch))
         for name, expected in case.expected.items():
             assert relative_error(outputs[name], expected, mask) <= limit, (case.name, name)
+
+
+def test_pretraining_heads_convert_with_what_they_use(converted):
+    """Microsoft MLM sources and generators get the decoder and their table; RTD sources keep `mask_predictions`;
+    the GDES delta and unused tables are listed as not needed; transformers' own MLM layout stays as it was."""
+    by_name = {case.name: case for case in converted}
+    for name in ("ms-v1-mlm", "ms-v3-mlm", "hub-v3-emd", "hub-v3-generator"):
+        config = json.loads((by_name[name].output / "config.json").read_text())
+        weights = load_file(by_name[name].output / "model.safetensors")
+        assert config["enhanced_mask_decoder"] is True and config["legacy"] is False, name
+        assert "deberta.embeddings.position_embeddings.weight" in weights, name
+        assert "Enhanced Mask Decoder" in by_name[name].log and "logits" in by_name[name].log, name
+    for name in ("ms-v3-rtd", "hub-v3-rtd"):
+        config = json.loads((by_name[name].output / "config.json").read_text())
+        weights = load_file(by_name[name].output / "model.safetensors")
+        assert config["architectures"] == ["DisentangledForReplacedTokenDetection"], name
+        assert {f"mask_predictions.{p}" for p in ("dense.weight", "LayerNorm.bias", "classifier.weight")} <= set(
+            weights
+        ), name
+        assert "position_embeddings" not in " ".join(weights), name  # v3 reads no absolute table
+    for name in ("hub-v3-rtd", "hub-v3-emd"):
+        assert "not needed" in by_name[name].log and "word_embeddings._weight" in by_name[name].log
+    assert "not converted (unused by the replaced-token-detection head)" in by_name["hub-v3-rtd"].log
+    assert "lm_predictions.lm_head" in by_name["hub-v3-rtd"].log
+    assert "generator" in by_name["hub-v3-generator"].log
+    plain = json.loads((by_name["hub-v3-base"].output / "config.json").read_text())
+    assert plain["enhanced_mask_decoder"] is False  # a transformers source converts as transformers reads it
+
+
+def test_export_transformers_refuses_the_decoder_and_rtd_or_exports_the_encoder(converted, tmp_path, capsys):
+    for case in (case for case in converted if case.name in ("ms-v1-mlm", "ms-v3-rtd", "hub-v3-emd")):
+        hf_dir = tmp_path / case.name
+        with redirect_stdout(io.StringIO()):
+            assert cli.main(["export-transformers", str(case.output), str(hf_dir)]) != 0
+        error = capsys.readouterr().err
+        assert "--task base" in error and ("Enhanced Mask Decoder" in error or "replaced-token-detection" in error)
+        assert not hf_dir.exists() and not list(tmp_path.glob(f".{case.name}.*"))
+        with redirect_stdout(io.StringIO()):
+            assert cli.main(["export-transformers", str(case.output), str(hf_dir), "--task", "base"]) == 0
+        native = transformers.AutoModel.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        assert type(native).__name__ == "DebertaV2Model"
+        batch = load_file(case.inputs)
+        with torch.no_grad():
+            expected = case.reference.base(**batch).last_hidden_state
+            actual = native(**batch).last_hidden_state
+        assert relative_error(actual, expected, batch["attention_mask"].bool()) <= TOLERANCE, case.name
 
 
 def test_wheel_ships_the_model_card_template(tmp_path):

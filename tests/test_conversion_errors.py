@@ -203,3 +203,53 @@ def test_export_rejects_a_folder_that_is_not_converted(capsys, tmp_path, source)
         command="export-transformers",
     )
     assert nothing_written(tmp_path, "hf")
+
+
+def test_enhanced_mask_decoder_needs_the_absolute_table(capsys, tmp_path):
+    folder = tmp_path / "mlm"
+    build_model("v3", "ForMaskedLM", legacy=False).save_pretrained(folder)  # transformers drops the table
+    expect_error(
+        capsys,
+        tmp_path,
+        folder,
+        tmp_path / "out",
+        "--enhanced-mask-decoder",
+        match="deberta.embeddings.position_embeddings.weight",
+    )
+    assert nothing_written(tmp_path)
+
+
+def test_enhanced_mask_decoder_needs_the_lm_predictions_head(capsys, tmp_path):
+    folder = tmp_path / "legacy"
+    build_model("v3", "ForMaskedLM").save_pretrained(folder)  # legacy cls.predictions
+    expect_error(capsys, tmp_path, folder, tmp_path / "out", "--enhanced-mask-decoder", match="lm_predictions.lm_head")
+
+
+def test_gdes_delta_without_the_merged_table_is_refused(capsys, tmp_path):
+    folder = tmp_path / "delta-only"
+    model = build_model("v3", "Model")
+    state_dict = {f"deberta.{k}": v for k, v in model.state_dict().items()}
+    state_dict["deberta.embeddings.word_embeddings._weight"] = state_dict.pop(
+        "deberta.embeddings.word_embeddings.weight"
+    )
+    folder.mkdir()
+    torch.save(state_dict, folder / "pytorch_model.bin")
+    (folder / "config.json").write_text(json.dumps(model.config.to_dict()))
+    expect_error(
+        capsys,
+        tmp_path,
+        folder,
+        tmp_path / "out",
+        match="embedding-sharing delta deberta.embeddings.word_embeddings._weight",
+    )
+    assert nothing_written(tmp_path)
+
+
+def test_rtd_task_needs_the_rtd_head(capsys, tmp_path, source):
+    expect_error(
+        capsys, tmp_path, source, tmp_path / "out", "--task", "replaced-token-detection", match="mask_predictions"
+    )
+
+
+def test_generator_needs_its_files(capsys, tmp_path, source):
+    expect_error(capsys, tmp_path, source, tmp_path / "out", "--generator", match="generator_config.json")

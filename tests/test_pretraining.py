@@ -169,7 +169,9 @@ def test_sampling_carries_no_gradient_and_sharing_needs_equal_widths():
             ReplacedTokenDetectionPretraining(
                 DisentangledForMaskedLM(wide), DisentangledForReplacedTokenDetection(config), sharing
             )
-    ReplacedTokenDetectionPretraining(DisentangledForMaskedLM(wide), DisentangledForReplacedTokenDetection(config), "none")
+    ReplacedTokenDetectionPretraining(
+        DisentangledForMaskedLM(wide), DisentangledForReplacedTokenDetection(config), "none"
+    )
     module = make_module("gdes")
     out = module(**batch())
     assert not out.discriminator_input_ids.requires_grad and out.loss.requires_grad
@@ -225,4 +227,6 @@ def test_roc_auc_matches_the_pairwise_definition():
     assert result["discriminator_precision"] == pytest.approx(true_positive / predicted.sum().item(), abs=1e-4)
     assert result["discriminator_recall"] == pytest.approx(true_positive / (labels == 1).sum().item(), abs=1e-4)
     assert metrics.compute() == {}  # reading resets
-    assert roc_auc_from_histograms(torch.zeros(3), torch.ones(3)) != roc_auc_from_histograms(torch.zeros(3), torch.ones(3))
+    assert roc_auc_from_histograms(torch.zeros(3), torch.ones(3)) != roc_auc_from_histograms(
+        torch.zeros(3), torch.ones(3)
+    )

@@ -165,6 +165,8 @@ def check_lengths(config, max_seq_length: int, absolute_table: bool, who: str) -
 def check_loaded(model, info: dict, path: str, option: str) -> None:
     """A checkpoint whose encoder weights did not load is not DeBERTa-shaped."""
     missing = [key for key in info.get("missing_keys", []) if key.startswith("deberta.")]
+    if not model.config.position_biased_input:  # the decoder's absolute table: new where the checkpoint has none
+        missing = [key for key in missing if key != "deberta.embeddings.position_embeddings.weight"]
     mismatched = info.get("mismatched_keys", [])
     if missing or mismatched:
         names = [str(key) for key in (missing or mismatched)][:3]
@@ -190,7 +192,7 @@ def _load(model_class, path: str, option: str, config=None):
     return model
 
 
-def build_objective(args, tokenizer):
+def build_objective(args, tokenizer, masking=None):
     """The module `Trainer` trains (ReplacedTokenDetectionPretraining or MaskedLMPretraining)."""
     import torch
 
@@ -218,7 +220,7 @@ def build_objective(args, tokenizer):
         else:
             torch.manual_seed(args.seed)
             model = DisentangledForMaskedLM(config)
-        return MaskedLMPretraining(model)
+        return MaskedLMPretraining(model, masking)
 
     from disentangled.modeling import DisentangledForReplacedTokenDetection
 
@@ -242,7 +244,9 @@ def build_objective(args, tokenizer):
         generator = _load(DisentangledForMaskedLM, args.init_from, "--init-from", gen_config)
     else:
         generator = DisentangledForMaskedLM(gen_config)
-    return ReplacedTokenDetectionPretraining(generator, discriminator, args.embedding_sharing, args.rtd_weight)
+    return ReplacedTokenDetectionPretraining(
+        generator, discriminator, args.embedding_sharing, args.rtd_weight, masking=masking
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -312,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
     import transformers
     from transformers.trainer_utils import get_last_checkpoint
 
-    from disentangled.pretraining import MaskingCollator, PretrainingTrainer, check_mask_token
+    from disentangled.pretraining import MaskingCollator, PaddingCollator, PretrainingTrainer, check_mask_token
     from disentangled.pretraining_data import (
         check_data_files,
         load_texts,
@@ -357,13 +361,13 @@ def run(args: argparse.Namespace) -> int:
             tokenizer_files = load_tokenizer(args.tokenizer or args.init_from)
         tokenizer = tokenizer_files.tokenizer
         check_mask_token(tokenizer)
-        collator = MaskingCollator(
+        masking = MaskingCollator(
             tokenizer,
             objective=args.objective,
             mlm_probability=args.mlm_probability,
             whole_word_mask=args.whole_word_mask,
         )
-        module = build_objective(args, tokenizer)
+        module = build_objective(args, tokenizer, masking)  # masks in its forward, after Trainer restores RNG state
 
         with training_args.main_process_first(desc="tokenizing"):
             train_dataset = tokenize_and_group(
@@ -388,7 +392,7 @@ def run(args: argparse.Namespace) -> int:
             args=training_args,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
-            data_collator=collator,
+            data_collator=PaddingCollator(tokenizer),
         )
         checkpoint = training_args.resume_from_checkpoint
         if checkpoint is None and Path(training_args.output_dir).is_dir():

@@ -30,7 +30,7 @@ Python API, for your own loop::
     discriminator = DisentangledForReplacedTokenDetection(config)
     module = ReplacedTokenDetectionPretraining(generator, discriminator, embedding_sharing="gdes", rtd_weight=10.0)
     collator = MaskingCollator(tokenizer, objective="rtd")
-    loss = module(**collator(examples)).loss
+    loss = module(**collator(examples)).loss      # or: module(masking=collator) masks padded batches itself
     module.export_discriminator().save_pretrained("disc")   # E_G + E_delta merged into its own table
     module.generator.save_pretrained("gen")
 """
@@ -178,12 +178,18 @@ def _merged_copy(model: nn.Module) -> nn.Module:
 
 @dataclass
 class MaskingCollator:
-    """Pads a list of `{"input_ids": [...]}` examples and picks tokens to predict.
+    """Picks the tokens to predict and corrupts them; as a data collator it also pads.
 
-    Returns `input_ids` (corrupted), `attention_mask`, and `labels` (the original id where a token was picked,
-    -100 elsewhere). Special tokens and padding are never picked. With `whole_word_mask`, words are picked (a word
-    starts at a piece beginning with SentencePiece's '▁', or at a piece without WordPiece's '##'), all their pieces
-    together. `objective="rtd"` replaces every picked token by [MASK]; `"mlm"` does 80/10/10.
+    `collator(examples)` takes `{"input_ids": [...]}` examples and returns `input_ids` (corrupted), `attention_mask`
+    and `labels` (the original id where a token was picked, -100 elsewhere); `collator.mask(input_ids,
+    attention_mask)` does the same to a padded batch on any device. Special tokens and padding are never picked.
+    With `whole_word_mask`, words are picked (a word starts at a piece beginning with SentencePiece's '▁', or at a
+    piece without WordPiece's '##'), all their pieces together. `objective="rtd"` replaces every picked token by
+    [MASK]; `"mlm"` does 80/10/10 ([MASK] / a random token / unchanged).
+
+    The command masks inside the objective's forward (`masking=` of the objectives, with a `PaddingCollator`): there
+    the draws come after `Trainer` has restored the random state of a checkpoint, so a resumed run masks exactly as
+    the uninterrupted one (Trainer fetches a resumed run's first batch before it restores that state).
     """
 
     tokenizer: object
@@ -209,11 +215,10 @@ class MaskingCollator:
             raise ValueError("mask_replace_prob + random_replace_prob must be at most 1")
         check_mask_token(self.tokenizer)
         size = len(self.tokenizer)
-        pieces = self.tokenizer.convert_ids_to_tokens(list(range(size)))
+        pieces = [str(piece) for piece in self.tokenizer.convert_ids_to_tokens(list(range(size)))]
         special = torch.zeros(size, dtype=torch.bool)
         special[list(self.tokenizer.all_special_ids)] = True
         self._special = special
-        pieces = [str(piece) for piece in pieces]
         if any(piece.startswith("▁") for piece in pieces):  # SentencePiece: a '▁' piece starts a word
             self._word_starts = torch.tensor([piece.startswith("▁") for piece in pieces])
         else:  # WordPiece: a '##' piece continues one
@@ -221,39 +226,56 @@ class MaskingCollator:
         self._random_ids = (~special).nonzero().flatten()
 
     def __call__(self, examples: list[dict]) -> dict[str, Tensor]:
-        input_ids, attention_mask = self._pad([example["input_ids"] for example in examples])
+        batch = PaddingCollator(self.tokenizer)(examples)
+        batch["input_ids"], batch["labels"] = self.mask(batch["input_ids"], batch["attention_mask"])
+        return batch
+
+    def mask(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(corrupted input_ids, labels) for a padded [B, L] batch, on its device."""
+        device = input_ids.device
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
         picked = self._pick(input_ids, attention_mask)
         labels = torch.where(picked, input_ids, IGNORE_INDEX)
-        corrupted = input_ids.clone()
-        draw = torch.rand(input_ids.shape)
+        draw = torch.rand(input_ids.shape, device=device)
         to_mask = picked & (draw < self.mask_replace_prob)
         to_random = picked & ~to_mask & (draw < self.mask_replace_prob + self.random_replace_prob)
-        corrupted[to_mask] = self.tokenizer.mask_token_id
-        random_ids = self._random_ids[torch.randint(len(self._random_ids), input_ids.shape)]
-        corrupted[to_random] = random_ids[to_random]
-        return {"input_ids": corrupted, "attention_mask": attention_mask, "labels": labels}
+        random_ids = self._random_ids.to(device)
+        random_ids = random_ids[torch.randint(len(random_ids), input_ids.shape, device=device)]
+        corrupted = torch.where(to_mask, self.tokenizer.mask_token_id, input_ids)
+        corrupted = torch.where(to_random, random_ids, corrupted)
+        return corrupted, labels
 
-    def _pad(self, sequences: list) -> tuple[Tensor, Tensor]:
+    def _pick(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """[B, L] bool: the tokens to predict."""
+        device = input_ids.device
+        candidate = ~self._special.to(device)[input_ids] & attention_mask.bool()
+        draw = torch.rand(input_ids.shape, device=device) < self.mlm_probability
+        if not self.whole_word_mask:
+            return candidate & draw
+        starts = self._word_starts.to(device)[input_ids] | ~candidate  # special tokens and padding end a word
+        word = starts.long().cumsum(-1)  # [B, L]: index of each token's word
+        word_picked = torch.zeros(input_ids.shape[0], input_ids.shape[1] + 1, dtype=torch.bool, device=device)
+        rows = torch.arange(input_ids.shape[0], device=device).unsqueeze(-1).expand_as(input_ids)
+        word_picked[rows[starts], word[starts]] = draw[starts]  # one draw per word, at its first piece
+        return word_picked.gather(-1, word) & candidate
+
+
+@dataclass
+class PaddingCollator:
+    """Pads `{"input_ids": [...]}` examples to the longest: `input_ids`, `attention_mask`."""
+
+    tokenizer: object
+
+    def __call__(self, examples: list[dict]) -> dict[str, Tensor]:
+        sequences = [example["input_ids"] for example in examples]
         length = max(len(sequence) for sequence in sequences)
         input_ids = torch.full((len(sequences), length), self.tokenizer.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
         for row, sequence in enumerate(sequences):
             input_ids[row, : len(sequence)] = torch.as_tensor(sequence, dtype=torch.long)
             attention_mask[row, : len(sequence)] = 1
-        return input_ids, attention_mask
-
-    def _pick(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """[B, L] bool: the tokens to predict."""
-        candidate = ~self._special[input_ids] & attention_mask.bool()
-        if not self.whole_word_mask:
-            return candidate & (torch.rand(input_ids.shape) < self.mlm_probability)
-        starts = self._word_starts[input_ids] | ~candidate  # special tokens and padding end a word
-        word = starts.long().cumsum(-1)  # [B, L]: index of each token's word
-        word_picked = torch.zeros(input_ids.shape[0], input_ids.shape[1] + 1, dtype=torch.bool)
-        rows = torch.arange(input_ids.shape[0]).unsqueeze(-1).expand_as(input_ids)
-        draw = torch.rand(input_ids.shape) < self.mlm_probability
-        word_picked[rows[starts], word[starts]] = draw[starts]  # one draw per word, at its first piece
-        return word_picked.gather(-1, word) & candidate
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
 def check_mask_token(tokenizer) -> None:
@@ -417,8 +439,10 @@ class ReplacedTokenDetectionPretraining(nn.Module):
         discriminator: nn.Module,
         embedding_sharing: str = "gdes",
         rtd_weight: float = 10.0,
+        masking: MaskingCollator | None = None,
     ):
         super().__init__()
+        self.masking = masking
         if not math.isfinite(rtd_weight) or rtd_weight <= 0:
             raise ValueError(f"--rtd-weight must be a positive number, got {rtd_weight}")
         self.generator = generator
@@ -435,10 +459,12 @@ class ReplacedTokenDetectionPretraining(nn.Module):
         labels: Tensor | None = None,
         token_type_ids: Tensor | None = None,
     ) -> PretrainingOutput:
-        if labels is None:
-            raise ValueError("RTD pretraining needs `labels`: the original ids of the masked tokens, -100 elsewhere")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
+        if labels is None:  # an unmasked batch: mask it here
+            if self.masking is None:
+                raise ValueError("give `labels` (the original ids of masked tokens, -100 elsewhere) or `masking=`")
+            input_ids, labels = self.masking.mask(input_ids, attention_mask)
         generated = self.generator(
             input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels
         )
@@ -477,9 +503,10 @@ class ReplacedTokenDetectionPretraining(nn.Module):
 class MaskedLMPretraining(nn.Module):
     """The MLM objective around a `DisentangledForMaskedLM`: its loss, and the accuracy on masked tokens logged."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, masking: MaskingCollator | None = None):
         super().__init__()
         self.model = model
+        self.masking = masking
         self.metrics = PretrainingMetrics()
 
     def forward(
@@ -489,6 +516,8 @@ class MaskedLMPretraining(nn.Module):
         labels: Tensor | None = None,
         token_type_ids: Tensor | None = None,
     ) -> PretrainingOutput:
+        if labels is None and self.masking is not None:  # an unmasked batch: mask it here
+            input_ids, labels = self.masking.mask(input_ids, attention_mask)
         output = self.model(
             input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels
         )
