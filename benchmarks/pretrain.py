@@ -198,25 +198,40 @@ def median_times(steps: dict, repeats: int) -> dict[str, float]:
 
 
 def speed(tokenizer, data: Path, settings: dict, seed: int) -> dict:
-    """RTD step vs generator step + discriminator step alone (same batch), and the data pipeline's tokens/s."""
+    """RTD step vs generator step + discriminator step alone (same batch), and the data pipeline's tokens/s.
+
+    As the command trains: the data loader pads (`PaddingCollator`), the objective masks in its forward. The RTD step
+    therefore includes masking, the generator, sampling, labels, sharing and the discriminator; the two steps alone
+    read the same batch already masked (generator) and already corrupted (discriminator)."""
     from disentangled import DisentangledConfig, DisentangledForMaskedLM
     from disentangled.modeling import DisentangledForReplacedTokenDetection
     from disentangled.pretrain import PRESETS, V3
-    from disentangled.pretraining import MaskingCollator, ReplacedTokenDetectionPretraining, generator_config
+    from disentangled.pretraining import (
+        MaskingCollator,
+        PaddingCollator,
+        ReplacedTokenDetectionPretraining,
+        generator_config,
+    )
     from disentangled.pretraining_data import load_texts, tokenize_and_group
 
     texts = load_texts([data / "train.txt"], "text", "--train-file")
     started = time.perf_counter()
     grouped = tokenize_and_group(texts, tokenizer, settings["length"])
     tokenize_s = time.perf_counter() - started
-    collator = MaskingCollator(tokenizer, objective="rtd")
+    padding, masking = PaddingCollator(tokenizer), MaskingCollator(tokenizer, objective="rtd")
     rows = [grouped[index] for index in range(min(len(grouped), 64 * settings["batch"]))]
     started = time.perf_counter()
-    batches = [collator(rows[start : start + settings["batch"]]) for start in range(0, len(rows), settings["batch"])]
-    collate_s = time.perf_counter() - started
+    batches = [padding(rows[start : start + settings["batch"]]) for start in range(0, len(rows), settings["batch"])]
+    padding_s = time.perf_counter() - started
+    started = time.perf_counter()
+    for batch in batches:
+        masking.mask(batch["input_ids"], batch["attention_mask"])
+    masking_s = time.perf_counter() - started
+    tokens = len(rows) * settings["length"]
     pipeline = {
         "tokenize_and_group_tokens_per_s": len(grouped) * settings["length"] / tokenize_s,
-        "collator_tokens_per_s": len(rows) * settings["length"] / collate_s,
+        "padding_collator_tokens_per_s": tokens / padding_s,
+        "masking_tokens_per_s": tokens / masking_s,
     }
 
     torch.manual_seed(seed)
@@ -224,15 +239,16 @@ def speed(tokenizer, data: Path, settings: dict, seed: int) -> dict:
     generator = DisentangledForMaskedLM(generator_config(config)).train()
     discriminator = DisentangledForReplacedTokenDetection(config).train()
     batch = batches[0]
-    with torch.no_grad():  # the discriminator alone reads a corrupted batch as RTD makes it
+    masked_ids, labels = masking.mask(batch["input_ids"], batch["attention_mask"])
+    with torch.no_grad():  # the discriminator alone reads a batch corrupted as RTD corrupts it
         module = ReplacedTokenDetectionPretraining(generator, DisentangledForReplacedTokenDetection(config), "none")
-        made = module(**batch)
-        corrupted, rtd_labels = made.discriminator_input_ids, made.discriminator_labels
+        made = module(masked_ids, batch["attention_mask"], labels)
     modules = {
         sharing: ReplacedTokenDetectionPretraining(
             DisentangledForMaskedLM(generator_config(config)),
             DisentangledForReplacedTokenDetection(config),
             sharing,
+            masking=masking,
         ).train()
         for sharing in ("none", "es", "gdes")
     }
@@ -244,10 +260,14 @@ def speed(tokenizer, data: Path, settings: dict, seed: int) -> dict:
 
         return step
 
+    attention_mask = batch["attention_mask"]
     steps = {
-        "generator": backward(generator, **batch),
+        "generator": backward(generator, input_ids=masked_ids, attention_mask=attention_mask, labels=labels),
         "discriminator": backward(
-            discriminator, input_ids=corrupted, attention_mask=batch["attention_mask"], labels=rtd_labels
+            discriminator,
+            input_ids=made.discriminator_input_ids,
+            attention_mask=attention_mask,
+            labels=made.discriminator_labels,
         ),
     }
     steps.update({f"rtd-{sharing}": backward(module, **batch) for sharing, module in modules.items()})
@@ -310,7 +330,7 @@ def markdown(report: dict) -> str:
     seconds = fast["seconds"]
     lines += [
         "",
-        f"Speed, batch {fast['batch']}, forward + backward, median of {report['settings']['repeats']} interleaved runs: "
+        f"Speed, batch {fast['batch']}, forward + backward (RTD: with masking), median of {report['settings']['repeats']} interleaved runs: "
         f"generator alone {seconds['generator'] * 1e3:.1f} ms + discriminator alone "
         f"{seconds['discriminator'] * 1e3:.1f} ms = {(seconds['generator'] + seconds['discriminator']) * 1e3:.1f} ms; "
         + ", ".join(
@@ -318,7 +338,8 @@ def markdown(report: dict) -> str:
         )
         + " (target: at most 1.10).",
         f"Data pipeline: tokenizing and grouping {fast['pipeline']['tokenize_and_group_tokens_per_s']:,.0f} tokens/s "
-        f"(once, cached), the collator {fast['pipeline']['collator_tokens_per_s']:,.0f} tokens/s; training consumes "
+        f"(once, cached), padding into batches {fast['pipeline']['padding_collator_tokens_per_s']:,.0f} tokens/s, "
+        f"masking {fast['pipeline']['masking_tokens_per_s']:,.0f} tokens/s; training consumes "
         f"{max(r['pretraining']['tokens_per_s'] for r in report['modes'].values()):,.0f} tokens/s at most.",
     ]
     return "\n".join(lines)
