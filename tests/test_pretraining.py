@@ -230,3 +230,46 @@ def test_roc_auc_matches_the_pairwise_definition():
     assert roc_auc_from_histograms(torch.zeros(3), torch.ones(3)) != roc_auc_from_histograms(
         torch.zeros(3), torch.ones(3)
     )
+
+
+def test_data_files_of_each_kind_give_the_same_sequences(tmp_path):
+    from disentangled.data import write_rows
+    from disentangled.pretraining_data import check_data_files, load_texts, tokenize_and_group
+
+    documents = ["the cat sat on the mat. a dog ran", "the quick brown fox", "paris is the capital of france"]
+    (tmp_path / "lines.txt").write_text("\n".join(documents) + "\n")
+    (tmp_path / "paragraphs.txt").write_text("\n\n".join(doc.replace(". ", ".\n") for doc in documents) + "\n")
+    write_rows([{"body": doc, "id": str(i)} for i, doc in enumerate(documents)], tmp_path / "rows.csv")
+    write_rows([{"body": doc} for doc in documents], tmp_path / "rows.jsonl")
+    tok = tokenizer()
+    pieces = [tok(doc, add_special_tokens=False)["input_ids"] for doc in documents]
+    stream = [piece for doc in pieces for piece in (*doc, tok.sep_token_id)]
+    expected = [
+        [tok.cls_token_id, *stream[start : start + 6], tok.sep_token_id] for start in range(0, len(stream) - 5, 6)
+    ]
+    for name in ("lines.txt", "paragraphs.txt", "rows.csv", "rows.jsonl"):
+        texts = load_texts(check_data_files([str(tmp_path / name)], "--train-file"), "body", "--train-file")
+        assert len(texts) == 3, name
+        got = tokenize_and_group(texts, tok, 8)["input_ids"]
+        if name == "paragraphs.txt":  # a newline inside a document tokenizes as a space
+            assert [len(sequence) for sequence in got] == [len(sequence) for sequence in expected]
+        else:
+            assert got == expected, name
+    with pytest.raises(ValueError, match="no column 'text'"):
+        load_texts([tmp_path / "rows.csv"], "text", "--train-file")
+
+
+def test_a_discriminator_at_chance_after_warm_up_is_reported(tmp_path, caplog):
+    from transformers import TrainingArguments
+
+    from disentangled.pretraining import PretrainingTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=100, warmup_steps=20, report_to="none", use_cpu=True)
+    trainer = PretrainingTrainer(model=make_module("none"), args=args)
+    trainer.state.max_steps = 100
+    for step, auc, warned in ((10, 0.5, False), (50, 0.51, True), (50, 0.8, False)):
+        caplog.clear()
+        trainer.state.global_step = step
+        with caplog.at_level("WARNING", logger="disentangled.pretraining"):
+            trainer._check_discriminator(auc, "")
+        assert ("near 0.5 after warm-up" in caplog.text) == warned, (step, auc)

@@ -47,13 +47,18 @@ def test_rtd_losses_fall_and_metrics_are_logged(rtd_run):
 
 def test_mlm_loss_falls_with_whole_word_masking(tmp_path):
     output = tmp_path / "out"
+    validation = text_file(tmp_path / "data", lines=60, seed=1, name="validation.txt")
     args = pretrain_args(
-        tmp_path, output, "--objective", "mlm", "--whole-word-mask", "--logging-steps", "4", steps=STEPS
-    )
+        tmp_path, output, "--objective", "mlm", "--whole-word-mask", "--logging-steps", "4",
+        "--validation-file", validation, "--do-eval", steps=STEPS,
+    )  # fmt: skip
     assert main(args) == 0
     losses = log_losses(output)
     assert list(losses.values())[-1] < list(losses.values())[0] - 0.2
     assert "masked_accuracy" in json.loads((output / "trainer_state.json").read_text())["log_history"][0]
+    evaluation = json.loads((output / "eval_results.json").read_text())
+    assert evaluation["eval_mlm_loss"] == pytest.approx(evaluation["eval_loss"], rel=1e-3)
+    assert 0 <= evaluation["eval_masked_accuracy"] <= 1
     assert (output / "model.safetensors").is_file() and (output / "spm.model").is_file()
     config = json.loads((output / "config.json").read_text())
     assert config["enhanced_mask_decoder"] is True and "AutoModelForMaskedLM" in config["auto_map"]

@@ -405,27 +405,6 @@ def generator_config(config: DisentangledConfig, num_layers: int | None = None) 
     return generator
 
 
-def init_generator_from_discriminator(generator: nn.Module, discriminator: nn.Module) -> list[str]:
-    """Copy the discriminator's embeddings, relative embeddings and lowest layers into the generator (same shapes
-    only); returns the copied keys. The generator's MLM head keeps its own (or fresh) weights."""
-    source = discriminator.deberta.state_dict()
-    target = generator.deberta.state_dict()
-    copied = {key: value for key, value in source.items() if key in target and target[key].shape == value.shape}
-    for key, value in _shared_weights(discriminator).items():  # a discriminator already sharing: its merged tables
-        if key in target and target[key].shape == value.shape:
-            copied[key] = value
-    generator.deberta.load_state_dict(copied, strict=False)
-    return sorted(copied)
-
-
-def _shared_weights(model: nn.Module) -> dict[str, Tensor]:
-    return {
-        f"{name}.weight": module.weight.detach()
-        for name, module in model.deberta.named_modules()
-        if isinstance(module, SharedEmbedding)
-    }
-
-
 class ReplacedTokenDetectionPretraining(nn.Module):
     """Generator (`DisentangledForMaskedLM`) and discriminator (`DisentangledForReplacedTokenDetection`) as one module.
 
@@ -569,6 +548,14 @@ class PretrainingTrainer(Trainer):
                 self.state.global_step,
                 auc,
             )
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The objective's loss (it masks unmasked batches itself, so `labels` need not be in the batch); the
+        metrics come from the objective's running sums."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
 
     def evaluate(self, *args, **kwargs):
         metrics = getattr(self.model, "metrics", None)
