@@ -43,7 +43,7 @@ RESULTS = Path(__file__).parent / "results"
 MODES = ("mlm", "rtd-none", "rtd-es", "rtd-gdes")
 COLORS = dict(zip(MODES, ("#4c72b0", "#dd8452", "#55a868", "#c44e52")))
 TASKS = ("sentiment", "capitals")
-FULL = dict(steps=300, batch=32, length=32, sentences=20000, train_size=512, eval_size=256, epochs=3.0, repeats=15)
+FULL = dict(steps=300, batch=32, length=32, sentences=20000, train_size=768, eval_size=256, epochs=2.0, repeats=15)
 QUICK = dict(steps=6, batch=8, length=32, sentences=600, train_size=48, eval_size=32, epochs=1.0, repeats=2)
 
 
@@ -97,7 +97,7 @@ def pretrain(mode: str, data: Path, output: Path, settings: dict, seed: int) -> 
         curves["discriminator_loss"].append(entry.get("discriminator_loss"))
         curves["discriminator_auc"].append(entry.get("discriminator_auc"))
     return {
-        "command": "disentangled pretrain " + " ".join(arguments),
+        "command": ("disentangled pretrain " + " ".join(arguments)).replace(str(data.parent), "WORK"),
         "wall_s": wall,
         "train_s": train["train_runtime"],
         "tokens_per_s": train["train_samples_per_second"] * settings["length"],
@@ -159,9 +159,8 @@ def fine_tune(encoder: Path | None, tokenizer, task: str, settings: dict, seed: 
     arguments = transformers.TrainingArguments(
         output_dir=str(work),
         num_train_epochs=settings["epochs"],
-        learning_rate=1e-3,
-        warmup_steps=0.1,  # a fraction of the steps
-        per_device_train_batch_size=32,
+        learning_rate=2e-3,  # the demo's recipe
+        per_device_train_batch_size=16,
         per_device_eval_batch_size=64,
         save_strategy="no",
         report_to="none",
