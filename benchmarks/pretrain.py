@@ -1,7 +1,10 @@
 """The DeBERTa-v3 paper's pretraining comparison in miniature: MLM, RTD + `none`, RTD + `es`, RTD + `gdes`.
 
-    python -m benchmarks.pretrain            # the run behind README.md's Pretraining table (about 8 min on 2 cores)
-    python -m benchmarks.pretrain --quick    # a smoke run: a few steps, tiny fine-tuning (about a minute)
+    python -m benchmarks.pretrain            # the run behind README.md's Pretraining table (see below for time)
+    python -m benchmarks.pretrain --quick    # a smoke run: a few steps, tiny fine-tuning (the test suite runs it)
+
+README's run took 19 minutes with --threads 1 on a 2-core machine shared with six other jobs; on an idle one it is
+shorter (the four pretraining runs are about three quarters of it).
 
 Text: `disentangled.data.pretraining_lines`, built-in templated sentences with facts and agreement to learn (each
 city is the capital of one country, a sentence's sentiment words agree), seeded; one SentencePiece tokenizer for all.
