@@ -86,6 +86,7 @@ class Checkpoint:
     state_dict: dict[str, Tensor]
     task: str
     not_needed: list[str] = field(default_factory=list)  # source tensors the converted model has no use for
+    notes: list[str] = field(default_factory=list)  # what the converter decided, for the log
 
     @property
     def enhanced_mask_decoder(self) -> bool:
@@ -124,6 +125,7 @@ def canonical_checkpoint(source: Source, task: str | None = None, enhanced_mask_
     """
     state_dict = {rename_key(key): value for key, value in source.state_dict.items() if not UNUSED_BUFFERS.search(key)}
     not_needed = _drop_gdes_deltas(state_dict)
+    notes: list[str] = []
     config = dict(source.config)
     if source.layout == "microsoft":
         config = _microsoft_config(config, state_dict)
@@ -141,7 +143,10 @@ def canonical_checkpoint(source: Source, task: str | None = None, enhanced_mask_
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     if task == "masked-lm":
         config["legacy"] = _mlm_layout_is_legacy(state_dict)
-    microsoft_mlm = task == "masked-lm" and (source.layout == "microsoft" or source.generator)
+    microsoft_mlm = task == "masked-lm" and not config["legacy"] and (source.layout == "microsoft" or source.generator)
+    if microsoft_mlm and POSITION_TABLE not in state_dict:  # older releases of their package kept no table
+        microsoft_mlm = False
+        notes.append(f"no {POSITION_TABLE} in the source: converted without the Enhanced Mask Decoder")
     if enhanced_mask_decoder or microsoft_mlm:
         _require_decoder_weights(task, config, state_dict, source.name)
         config["enhanced_mask_decoder"] = True
@@ -151,7 +156,7 @@ def canonical_checkpoint(source: Source, task: str | None = None, enhanced_mask_
     if task in ("sequence-classification", "token-classification", "multiple-choice"):
         _fit_num_labels(config, state_dict)
     config["architectures"] = [TRANSFORMERS_PREFIX[model_type] + TASKS[task].suffix]
-    return Checkpoint(model_type, config, state_dict, task, not_needed)
+    return Checkpoint(model_type, config, state_dict, task, not_needed, notes)
 
 
 def _drop_gdes_deltas(state_dict: dict) -> list[str]:
@@ -489,6 +494,8 @@ def convert(
         f"{checkpoint.model_type}, {SUPPORTED_MODEL_TYPES[checkpoint.model_type]}), head {checkpoint.task}{decoder}, "
         f"weights {', '.join(read.weight_files)}"
     )
+    for note in checkpoint.notes:
+        log(note)
     if checkpoint.not_needed:
         log(f"not needed (merged tables or an unused absolute table are converted instead): {checkpoint.not_needed}")
 

@@ -378,3 +378,22 @@ def test_wheel_ships_the_model_card_template(tmp_path):
         assert wheel.read("disentangled/model_card.md").decode() == (root / "model_card.md").read_text()
         names = set(wheel.namelist())
     assert {"disentangled/modeling/modeling_disentangled.py", "disentangled/conversion/bundle.py"} <= names
+
+
+def test_microsoft_mlm_without_a_table_converts_without_the_decoder(converted, tmp_path):
+    """Older releases of Microsoft's package kept no absolute table: the plain head, and the log says why."""
+    from disentangled.conversion.convert import canonical_checkpoint
+    from disentangled.conversion.sources import read_source
+
+    case = next(case for case in converted if case.name == "ms-v3-mlm")
+    state_dict = torch.load(case.source / "pytorch_model.bin", weights_only=True)
+    del state_dict["deberta.embeddings.position_embeddings.weight"]
+    folder = tmp_path / "no-table"
+    folder.mkdir()
+    torch.save(state_dict, folder / "pytorch_model.bin")
+    (folder / "config.json").write_bytes((case.source / "config.json").read_bytes())
+    checkpoint = canonical_checkpoint(read_source(str(folder)))
+    assert checkpoint.task == "masked-lm" and not checkpoint.enhanced_mask_decoder
+    assert any("without the Enhanced Mask Decoder" in note for note in checkpoint.notes)
+    with pytest.raises(ValueError, match="position_embeddings.weight"):
+        canonical_checkpoint(read_source(str(folder)), enhanced_mask_decoder=True)

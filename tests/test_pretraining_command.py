@@ -49,8 +49,8 @@ def test_mlm_loss_falls_with_whole_word_masking(tmp_path):
     output = tmp_path / "out"
     validation = text_file(tmp_path / "data", lines=60, seed=1, name="validation.txt")
     args = pretrain_args(
-        tmp_path, output, "--objective", "mlm", "--whole-word-mask", "--logging-steps", "4",
-        "--validation-file", validation, "--do-eval", steps=STEPS,
+        tmp_path, output, "--objective", "mlm", "--whole-word-mask", "--enhanced-mask-decoder", "--logging-steps", "4",
+        "--validation-file", validation, "--do-eval", "--activation-checkpointing", steps=STEPS,
     )  # fmt: skip
     assert main(args) == 0
     losses = log_losses(output)

@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "enhanced-mask-decoder",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="mlm: predict with the Enhanced Mask Decoder (default: on from scratch, the checkpoint's with --init-from)",
+        help="mlm: predict with the Enhanced Mask Decoder (default: on with the presets, else the config's own)",
     )
 
     training = parser.add_argument_group("training (every transformers.TrainingArguments option)")
@@ -211,7 +211,7 @@ def build_objective(args, tokenizer, masking=None):
     if args.objective == "mlm":
         if args.enhanced_mask_decoder is not None:
             config.enhanced_mask_decoder = args.enhanced_mask_decoder
-        elif not args.init_from:
+        elif not args.init_from and (args.config or "xsmall") in PRESETS:  # else the config's (checkpoint's) own
             config.enhanced_mask_decoder = True
         emd = bool(getattr(config, "enhanced_mask_decoder", False))
         check_lengths(config, args.max_seq_length, config.position_biased_input or emd, "model")
@@ -257,18 +257,14 @@ def write_model_folder(model, tokenizer_files, folder: Path, card: str) -> None:
     """An ordinary, complete model folder: config (+ auto_map), safetensors, tokenizer, remote-code bundle, card."""
     from disentangled.conversion.bundle import auto_map, write_bundle
 
-    scratch = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(scratch, ignore_errors=True)
-    model.save_pretrained(scratch, safe_serialization=True)
-    tokenizer_files.save(scratch)
-    write_bundle(scratch)
-    config_file = scratch / "config.json"
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer_files.save(folder)
+    write_bundle(folder)
+    config_file = folder / "config.json"
     config = json.loads(config_file.read_text())
     config["auto_map"] = auto_map()
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (scratch / "README.md").write_text(card)
-    shutil.rmtree(folder, ignore_errors=True)
-    scratch.rename(folder)
+    (folder / "README.md").write_text(card)
 
 
 def model_card(role: str, model, args, facts: dict) -> str:
@@ -425,28 +421,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def save_outputs(module, tokenizer_files, output_dir: Path, args, facts: dict) -> None:
-    """DIR/discriminator and DIR/generator (rtd), or the model in DIR (mlm)."""
+    """DIR/discriminator and DIR/generator (rtd), or the model in DIR (mlm); each written whole to a scratch folder
+    beside it first, so that a failure leaves no half-written model folder."""
     output_dir.mkdir(parents=True, exist_ok=True)
     if args.objective == "mlm":
-        model = module.export_model()
-        scratch = output_dir / "model.partial"
-        write_model_folder(model, tokenizer_files, scratch, model_card("masked-LM model", model, args, facts))
-        for item in scratch.iterdir():
-            target = output_dir / item.name
-            if target.is_dir():
-                shutil.rmtree(target)
-            item.replace(target)
-        scratch.rmdir()
-        logger.info("saved the model to %s", output_dir)
-        return
-    discriminator, generator = module.export_discriminator(), module.export_generator()
-    write_model_folder(
-        discriminator,
-        tokenizer_files,
-        output_dir / "discriminator",
-        model_card("discriminator", discriminator, args, facts),
-    )
-    write_model_folder(
-        generator, tokenizer_files, output_dir / "generator", model_card("generator", generator, args, facts)
-    )
-    logger.info("saved %s and %s", output_dir / "discriminator", output_dir / "generator")
+        models = {"masked-LM model": (module.export_model(), output_dir)}
+    else:
+        models = {
+            "discriminator": (module.export_discriminator(), output_dir / "discriminator"),
+            "generator": (module.export_generator(), output_dir / "generator"),
+        }
+    for role, (model, folder) in models.items():
+        scratch = output_dir / f".{folder.name}.partial"
+        shutil.rmtree(scratch, ignore_errors=True)
+        write_model_folder(model, tokenizer_files, scratch, model_card(role, model, args, facts))
+        if folder == output_dir:  # mlm: the files go beside the checkpoints
+            for item in scratch.iterdir():
+                item.replace(output_dir / item.name)
+            scratch.rmdir()
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+            scratch.rename(folder)
+        logger.info("saved the %s to %s", role, folder)

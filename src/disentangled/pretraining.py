@@ -471,6 +471,16 @@ class ReplacedTokenDetectionPretraining(nn.Module):
             discriminator_input_ids=corrupted,
         )
 
+    def activation_checkpointing_enable(self, **kwargs) -> None:
+        """`--activation_checkpointing` (`--gradient_checkpointing`): both models recompute their layers' activations
+        in the backward pass."""
+        for model in (self.generator, self.discriminator):
+            model.activation_checkpointing_enable(**kwargs)
+
+    def gradient_checkpointing_enable(self, **kwargs) -> None:  # the name transformers 4.x calls
+        for model in (self.generator, self.discriminator):
+            model.gradient_checkpointing_enable(**kwargs)
+
     def export_discriminator(self) -> nn.Module:
         """The discriminator as an ordinary model: E_G + E_delta (gdes) or E_G (es) merged into its own tables."""
         return _merged_copy(self.discriminator)
@@ -507,6 +517,12 @@ class MaskedLMPretraining(nn.Module):
             generator_loss=None if output.loss is None else output.loss.detach(),
             generator_logits=output.logits.detach(),
         )
+
+    def activation_checkpointing_enable(self, **kwargs) -> None:
+        self.model.activation_checkpointing_enable(**kwargs)
+
+    def gradient_checkpointing_enable(self, **kwargs) -> None:  # the name transformers 4.x calls
+        self.model.gradient_checkpointing_enable(**kwargs)
 
     def export_model(self) -> nn.Module:
         return self.model
