@@ -68,3 +68,28 @@ def test_device_check_passes_on_the_cpu_and_catches_a_wrong_term(monkeypatch, ca
     with pytest.raises(SystemExit) as failed:
         device_check.main(["--device", "cpu", "--no-benchmark"])
     assert failed.value.code == 1 and "FAIL" in capsys.readouterr().out
+
+
+def test_pretraining_benchmark_reports_every_mode(tmp_path):
+    """`python -m benchmarks.pretrain --quick`: MLM and RTD under each sharing mode are pretrained, fine-tuned,
+    analysed and timed, and the table, the JSON and the plot report every one (the numbers are not asserted)."""
+    from benchmarks import pretrain
+
+    report = pretrain.main(["--quick", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "pretrain-quick.json").read_text())
+    assert list(saved["modes"]) == ["mlm", "rtd-none", "rtd-es", "rtd-gdes"] == list(report["modes"])
+    for mode, result in saved["modes"].items():
+        assert f"| {mode} |" in saved["markdown"]
+        assert result["pretraining"]["command"].startswith("disentangled pretrain --objective ")
+        assert set(result["downstream"]) == {"sentiment", "capitals"}
+        assert all(0.0 <= accuracy <= 1.0 for accuracy in result["downstream"].values())
+        assert 0.0 <= result["pretraining"]["eval_generator_accuracy"] <= 1.0
+        assert len(result["pretraining"]["curves"]["step"]) > 1
+        if mode != "mlm":
+            assert 0.0 <= result["pretraining"]["eval_discriminator_auc"] <= 1.0
+            assert -1.0 <= result["embeddings"]["between"] <= 1.0
+    # es shares one table: the generator's and discriminator's embedding of a token are the same vector
+    assert abs(saved["modes"]["rtd-es"]["embeddings"]["between"] - 1.0) < 1e-5
+    assert set(saved["speed"]["ratio"]) == {"rtd-none", "rtd-es", "rtd-gdes"}
+    assert all(tokens_per_s > 0 for tokens_per_s in saved["speed"]["pipeline"].values())
+    assert (tmp_path / "pretrain-quick.png").stat().st_size > 0

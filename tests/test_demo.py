@@ -1,5 +1,7 @@
-"""`disentangled demo` end to end on a cut-down budget: stand-in checkpoint, verified conversion, pipelines and
-Trainer in a fresh process through trust_remote_code, the fine-tuned model saved and loaded back."""
+"""`disentangled demo` end to end on a cut-down budget: a short pretraining run as the stand-in checkpoint, exported to
+transformers' format, verified conversion, pipelines and Trainer in a fresh process through trust_remote_code, the
+fine-tuned model saved and loaded back; and the stand-in has learned: its fill-mask answers are words of the right
+kind, measured against the same model untrained."""
 
 from __future__ import annotations
 
@@ -9,21 +11,62 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+COUNTRIES = "france germany italy spain england austria".split()  # disentangled.data.COUNTRIES, written out here
+CITIES = "paris berlin rome madrid london vienna".split()
+
+
+def country_mass(model, tokenizer) -> tuple[float, list[str]]:
+    """Mean probability on the country tokens at the gap of 'CITY is the capital of [MASK].', and the top answers."""
+    country_ids = [tokenizer.convert_tokens_to_ids("▁" + country) for country in COUNTRIES]
+    assert tokenizer.unk_token_id not in country_ids  # each country is one piece of the demo's tokenizer
+    texts = [f"{city} is the capital of {tokenizer.mask_token}." for city in CITIES]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        logits = model(**batch).logits
+    gap = batch["input_ids"] == tokenizer.mask_token_id
+    probabilities = logits[gap].softmax(-1)  # [cities, vocab]
+    tops = tokenizer.convert_ids_to_tokens(probabilities.argmax(-1).tolist())
+    return probabilities[:, country_ids].sum(-1).mean().item(), [top.lstrip("▁") for top in tops]
 
 
 @pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path):
     command = [sys.executable, "-m", "disentangled.cli", "demo", "--output-dir", str(tmp_path)]
     command += ["--train-size", "64", "--eval-size", "32", "--epochs", "0.5"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
+    assert "disentangled pretrain --objective mlm --no-enhanced-mask-decoder" in out
+    reached = re.search(r"accuracy on masked tokens (\d\.\d+) -> (\d\.\d+)", out)
+    assert reached and float(reached[2]) > float(reached[1])
+    assert "parity (DebertaV2ForMaskedLM vs DisentangledForMaskedLM)" in out  # the export to transformers' format
     assert "parity (transformers" in out and "from transformers_modules." in out
     assert "`import disentangled` is blocked here" in out
-    assert re.search(r"fill-mask .*: '.+' \d\.\d{3}", out) and "hidden states of shape (1, " in out
+    top = re.search(r"fill-mask  'paris is the capital of \[MASK\]\.': '(\w+)' \d\.\d{3}", out)
+    assert top and top[1] in COUNTRIES, out[-3000:]
+    assert "hidden states of shape (1, " in out
     before = float(re.search(r"accuracy before fine-tuning: (\d\.\d+)", out)[1])
     assert 0.0 <= before <= 1.0 and re.search(r"accuracy after fine-tuning: +\d\.\d+", out)
     assert re.search(r"demo done in \d+ s", out)
+    source = json.loads((tmp_path / "source" / "config.json").read_text())
+    assert source["model_type"] == "deberta-v2" and source["architectures"] == ["DebertaV2ForMaskedLM"]
     saved = json.loads((tmp_path / "finetuned" / "config.json").read_text())
     assert saved["auto_map"]["AutoModelForSequenceClassification"].endswith("DisentangledForSequenceClassification")
     assert (tmp_path / "finetuned" / "modeling_disentangled.py").is_file()
+
+    # What the pretraining taught, against the same architecture untrained: the gap after "is the capital of" is
+    # filled with a country for every city, and the countries take far more probability than chance gives them.
+    from transformers import AutoTokenizer
+
+    from disentangled import DisentangledForMaskedLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "converted")
+    trained = DisentangledForMaskedLM.from_pretrained(tmp_path / "converted").eval()
+    torch.manual_seed(0)
+    untrained = DisentangledForMaskedLM(trained.config).eval()
+    trained_mass, trained_tops = country_mass(trained, tokenizer)
+    untrained_mass, _ = country_mass(untrained, tokenizer)
+    assert all(top in COUNTRIES for top in trained_tops), trained_tops
+    assert trained_mass > 0.5 and trained_mass > 5 * untrained_mass, (trained_mass, untrained_mass)

@@ -11,7 +11,10 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS = {
-    "demo": ("disentangled.demo", "build a small DeBERTa-v3-style model and run it end to end"),
+    "demo": (
+        "disentangled.demo",
+        "pretrain a small DeBERTa-v3-style model on built-in text, convert it and run it end to end",
+    ),
     "convert": (
         "disentangled.conversion.commands",
         "convert a DeBERTa checkpoint (folder or Hub id) to this architecture",

@@ -98,3 +98,81 @@ def write_rows(rows: list[dict], path: str | Path) -> Path:
     else:
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+ANIMALS = "cat dog fox bird".split()
+PLACES = "mat rug tree river bank".split()
+WORKS = "movie film book story".split()
+
+
+def pretraining_lines(count: int = 3000, seed: int = 0) -> list[str]:
+    """Sentences with structure a small model can learn, for the demo's and the benchmark's pretraining.
+
+    Unlike `corpus_lines` (words in random order), every sentence follows a template with agreement to learn:
+    each city is the capital of one country (CITIES[i] of COUNTRIES[i]), a sentence's sentiment words agree
+    ("we love this film , it was wonderful"), animals sit or run on places. A masked city, country or sentiment
+    word can be guessed from the rest of the sentence, so fill-mask answers show whether a model learned.
+    """
+    rng = random.Random(seed)
+
+    def fact() -> str:
+        index = rng.randrange(len(CITIES))
+        city, country = CITIES[index], COUNTRIES[index]
+        return rng.choice(
+            [
+                f"{city} is the capital of {country}.",
+                f"the capital of {country} is {city}.",
+                f"what is the capital of {country}? the answer is {city}.",
+                f"they flew to {city} in {country} {rng.choice(['today', 'yesterday'])}.",
+            ]
+        )
+
+    def opinion() -> str:
+        positive = rng.random() < 0.5
+        verb, words = ("love", POSITIVE_WORDS[1:]) if positive else ("hate", NEGATIVE_WORDS[1:])
+        good_or_bad = "good" if positive else "bad"
+        work = rng.choice(WORKS)
+        return rng.choice(
+            [
+                f"we {verb} this {work}, it was {rng.choice(words)}.",
+                f"the {work} was {rng.choice(['very', 'quite', 'really'])} {rng.choice(words)} and we {verb} it.",
+                f"a {good_or_bad} {work}: {rng.choice(words)}, {rng.choice(words)}, they {verb} it.",
+            ]
+        )
+
+    def scene() -> str:
+        animal, place = rng.choice(ANIMALS), rng.choice(PLACES)
+        if animal == "bird":
+            return f"the bird flew over the {rng.choice(['tree', 'river'])}."
+        adjective = rng.choice(["quick brown", "lazy", "brown"])
+        return f"the {adjective} {animal} {rng.choice(['sat', 'ran'])} {rng.choice(['on', 'under'])} the {place}."
+
+    def money() -> str:
+        return rng.choice(
+            [
+                f"the stock market was {rng.choice(['good', 'bad'])} {rng.choice(['today', 'yesterday'])}.",
+                "they put the money in the bank.",
+                "a bond is a question of money and capital.",
+            ]
+        )
+
+    makers = [fact, fact, opinion, opinion, scene, money]
+    return [rng.choice(makers)() for _ in range(count)]
+
+
+def capital_examples(count: int, cities: list[str] | None = None, seed: int = 0) -> list[dict]:
+    """`{"text", "label"}`: "CITY is the capital of COUNTRY." labelled "true" when the pair matches (as in
+    `pretraining_lines`), else "false"; balanced. `cities` restricts the cities asked about, so a task can
+    fine-tune on some cities and evaluate on the others: only a model that learned the facts can transfer."""
+    rng = random.Random(seed)
+    cities = cities or CITIES
+    rows = []
+    for index in range(count):
+        city = rng.choice(cities)
+        country = COUNTRIES[CITIES.index(city)]
+        true = index % 2 == 0
+        if not true:
+            country = rng.choice([other for other in COUNTRIES if other != country])
+        rows.append({"text": f"{city} is the capital of {country}.", "label": "true" if true else "false"})
+    rng.shuffle(rows)
+    return rows

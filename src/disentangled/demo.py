@@ -1,14 +1,19 @@
 """`disentangled demo`: the README's main job, end to end, on a built-in stand-in for a Hub model.
 
 1. train a SentencePiece tokenizer on built-in text (DeBERTa-v3's special ids),
-2. make a small DeBERTa-v3-style checkpoint in transformers' own format (`DebertaV2ForMaskedLM`, random weights:
-   nothing can be downloaded here) with that tokenizer, laid out as on the Hub,
-3. convert it with the verified converter (`disentangled convert`: parity against transformers is checked),
+2. pretrain a small DeBERTa-v3-style masked-LM model on built-in templated text with `disentangled pretrain
+   --objective mlm` (a short run: nothing can be downloaded here), so that it has learned something to show,
+3. export it to transformers' own format (`DebertaV2ForMaskedLM`, laid out as on the Hub: the stand-in for a Hub
+   download) and convert that with the verified converter (`disentangled convert`: parity against transformers is
+   checked),
 4. in a fresh process where the package is hidden, load the converted folder with
-   `Auto...from_pretrained(folder, trust_remote_code=True)` and run pipelines on it,
+   `Auto...from_pretrained(folder, trust_remote_code=True)` and run pipelines on it (fill-mask answers words that fit),
 5. fine-tune it there with `Trainer` on a small built-in labelled dataset, printing the accuracy before and after.
 
-`--model microsoft/deberta-v3-xsmall` skips 1-2 and converts that Hub checkpoint instead.
+The pretraining is masked LM *without* the Enhanced Mask Decoder: transformers' `DebertaV2ForMaskedLM` cannot represent
+the decoder (it predicts from the last layer's output), so only a model without it exports to transformers' format
+honestly. `disentangled pretrain --objective rtd` trains DeBERTa-v3's own objective (README, Pretraining).
+`--model microsoft/deberta-v3-xsmall` skips 1-3 and converts that Hub checkpoint instead.
 """
 
 from __future__ import annotations
@@ -23,11 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from .data import corpus_lines, sentiment_examples, train_sentencepiece, write_rows
+from .data import corpus_lines, pretraining_lines, sentiment_examples, train_sentencepiece, write_rows
 
 CHILD_SCRIPT = Path(__file__).with_name("demo_remote.py")  # run by path: importing it would hide the package here
 # A DeBERTa-v3-style encoder (relative attention with c2p + p2c, 256 log buckets, shared keys, normalised relative
-# embeddings, no absolute positions), small enough to fine-tune in a minute on 2 CPU cores.
+# embeddings, no absolute positions), small enough to pretrain and fine-tune in a minute each on 2 CPU cores.
 STAND_IN = dict(
     hidden_size=128,
     num_hidden_layers=2,
@@ -58,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--train-size", type=int, default=768, help="built-in training sentences")
     parser.add_argument("--eval-size", type=int, default=256, help="built-in evaluation sentences")
+    parser.add_argument("--pretrain-steps", type=int, default=400, help="pretraining steps of the built-in stand-in")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -67,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             "the demo fine-tunes with transformers' Trainer, which needs accelerate: pip install 'disentangled[train]'"
         )
+    if args.pretrain_steps < 1:
+        raise ValueError(f"--pretrain-steps must be at least 1, got {args.pretrain_steps}")
     if args.output_dir:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         return _run(args, Path(args.output_dir).absolute(), started)
@@ -87,7 +95,7 @@ def _run(args: argparse.Namespace, folder: Path, started: float) -> int:
     import torch
 
     torch.manual_seed(args.seed)
-    source = args.model or str(make_stand_in(folder / "source", args.seed))
+    source, reached = (args.model, None) if args.model else make_stand_in(folder, args.seed, args.pretrain_steps)
 
     step = _step(f"converting {source} with the verified converter")
     from .conversion.convert import convert
@@ -117,43 +125,82 @@ def _run(args: argparse.Namespace, folder: Path, started: float) -> int:
         return 1
     figures = dict(part.split("=") for part in result_line.split()[1:])
     print(
-        f"\ndemo done in {time.perf_counter() - started:.0f} s: converted, loaded with trust_remote_code, pipelines "
+        f"\ndemo done in {time.perf_counter() - started:.0f} s: {reached + ', ' if reached else ''}"
+        "converted, loaded with trust_remote_code, pipelines "
         f"run, fine-tuned from accuracy {float(figures['accuracy_before']):.3f} to "
         f"{float(figures['accuracy_after']):.3f}"
     )
     if args.output_dir:
-        print(f"kept in {folder}: source/ (the stand-in), converted/, finetuned/")
+        kept = "converted/, finetuned/" if args.model else "pretrained/, source/ (the stand-in), converted/, finetuned/"
+        print(f"kept in {folder}: {kept}")
     return 0
 
 
-def make_stand_in(folder: Path, seed: int) -> Path:
-    """Steps 1-2: a SentencePiece tokenizer and a random DeBERTa-v3-style checkpoint in transformers' format."""
-    import torch
-    import transformers
-
+def make_stand_in(folder: Path, seed: int, steps: int) -> tuple[str, str]:
+    """Steps 1-3: a SentencePiece tokenizer, a short `disentangled pretrain --objective mlm` run on built-in text,
+    exported to transformers' format in `folder/source` (the stand-in for a Hub download); returns that folder and
+    what the pretraining reached."""
+    step = _step("tokenizer: a SentencePiece model trained on built-in text")
+    text = pretraining_lines(3000, seed=seed) + corpus_lines(1000, seed=seed)  # + random word order: every word
+    spm_file = train_sentencepiece(folder / "tokenizer", text, vocab_size=110)
     from .tokenization import tokenizer_from_spm
 
-    step = _step("tokenizer: a SentencePiece model trained on built-in text")
-    spm_file = train_sentencepiece(folder, corpus_lines(3000, seed=seed), vocab_size=100)
     tokenizer = tokenizer_from_spm(spm_file, check_text="the quick brown fox sat on the mat")
     print(
         f"   {len(tokenizer)} tokens; special ids {dict(zip(tokenizer.all_special_tokens, tokenizer.all_special_ids))}"
     )
     print(f"   'paris is the capital of france' -> {tokenizer.tokenize('paris is the capital of france')}")
-    (folder / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": False, "vocab_type": "spm"}))
     _done(step)
 
-    step = _step("checkpoint: a small DeBERTa-v3-style DebertaV2ForMaskedLM in transformers' format (stand-in)")
-    config = transformers.DebertaV2Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **STAND_IN)
-    torch.manual_seed(seed)
-    model = transformers.DebertaV2ForMaskedLM(config)
-    model.save_pretrained(folder)
-    parameters = sum(p.numel() for p in model.parameters())
+    pretrained, reached = pretrain_stand_in(folder, spm_file, len(tokenizer), seed, steps)
+
+    step = _step("checkpoint: the pretrained model in transformers' own format, DebertaV2ForMaskedLM (stand-in)")
+    from .conversion.export import export_transformers
+
+    source = folder / "source"
+    export_transformers(pretrained, source, force=True, log=lambda line: print(f"   {line}", flush=True))
     print(
-        f"   {parameters:,} parameters: hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
-        f"{config.num_attention_heads} heads, terms {config.pos_att_type}, {config.position_buckets} position buckets; "
-        "random weights (a stand-in for a Hub download, so its fill-mask guesses are arbitrary)"
+        "   a stand-in for a Hub download: transformers' DebertaV2ForMaskedLM predicts from the last layer, so the "
+        "demo pretrains without the Enhanced Mask Decoder, which that class cannot represent"
     )
-    print(f"   wrote {folder}: {', '.join(sorted(p.name for p in folder.iterdir()))}")
+    print(f"   wrote {source}: {', '.join(sorted(p.name for p in source.iterdir()))}")
     _done(step)
-    return folder
+    return str(source), reached
+
+
+def pretrain_stand_in(folder: Path, spm_file: Path, vocab_size: int, seed: int, steps: int) -> tuple[Path, str]:
+    """Step 2: `disentangled pretrain --objective mlm` in a subprocess on built-in templated sentences; prints the
+    command and what the run reached (loss and accuracy on masked tokens, first and last log)."""
+    from .configuration import DisentangledConfig
+
+    step = _step(f"pretraining: {steps} steps of masked LM on built-in text (`disentangled pretrain`)")
+    data = folder / "pretraining"
+    data.mkdir(parents=True, exist_ok=True)
+    lines = pretraining_lines(20000, seed=seed + 3)
+    (data / "train.txt").write_text("\n".join(lines) + "\n")
+    config = DisentangledConfig(vocab_size=vocab_size, legacy=False, **STAND_IN)  # legacy=False: v3's head layout
+    config.save_pretrained(data / "config")
+    print(f"   {len(lines):,} templated sentences, e.g. {lines[0]!r}, {lines[1]!r}")
+    pretrained = folder / "pretrained"
+    arguments = ["--objective", "mlm", "--no-enhanced-mask-decoder", "--train-file", str(data / "train.txt")]
+    arguments += ["--tokenizer", str(spm_file), "--config", str(data / "config"), "--max-seq-length", "32"]
+    arguments += ["--max-steps", str(steps), "--per-device-train-batch-size", "32", "--learning-rate", "2e-3"]
+    arguments += ["--warmup-steps", str(steps // 10), "--logging-steps", str(max(1, steps // 10))]
+    arguments += ["--save-strategy", "no", "--report-to", "none", "--seed", str(seed), "--disable-tqdm", "true"]
+    arguments += ["--output-dir", str(pretrained)]
+    print("   disentangled pretrain " + " ".join(arguments), flush=True)
+    command = [sys.executable, "-m", "disentangled.cli", "pretrain", *arguments]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ValueError(f"the pretraining run failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+    logs = json.loads((pretrained / "trainer_state.json").read_text())["log_history"]
+    logged = [entry for entry in logs if "masked_accuracy" in entry]
+    first, last = logged[0], logged[-1]
+    print(
+        f"   reached: loss on masked tokens {first['mlm_loss']:.2f} (step {first['step']}) -> {last['mlm_loss']:.2f} "
+        f"(step {last['step']}); accuracy on masked tokens {first['masked_accuracy']:.3f} -> "
+        f"{last['masked_accuracy']:.3f} (a uniform guess: {1 / vocab_size:.3f})"
+    )
+    _done(step)
+    return pretrained, f"pretrained {steps} steps to {last['masked_accuracy']:.3f} accuracy on masked tokens"

@@ -30,6 +30,13 @@ from transformers import (  # noqa: E402
     pipeline,
 )
 
+# Sentences of the built-in pretraining text's kinds: a country, an animal's place, a sentiment word fit the gaps.
+FILL_MASK_PROBES = (
+    "paris is the capital of [MASK].",
+    "the lazy dog sat on the [MASK].",
+    "we hate this film, it was [MASK].",
+)
+
 
 def step(text: str) -> float:
     print(f"\n== {text}", flush=True)
@@ -61,9 +68,10 @@ def use_pipelines(folder: str, tokenizer) -> None:
         model = AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True)
         print(f"   {type(model).__name__} from {type(model).__module__}")
         fill = pipeline("fill-mask", model=model, tokenizer=tokenizer, trust_remote_code=True)
-        text = f"paris is the capital of {tokenizer.mask_token}."
-        guesses = ", ".join(f"{r['token_str']!r} {r['score']:.3f}" for r in fill(text, top_k=3))
-        print(f"   fill-mask  {text!r}: {guesses}")
+        for text in FILL_MASK_PROBES:
+            text = text.replace("[MASK]", tokenizer.mask_token)
+            guesses = ", ".join(f"{r['token_str']!r} {r['score']:.3f}" for r in fill(text, top_k=3))
+            print(f"   fill-mask  {text!r}: {guesses}")
     else:
         model = AutoModel.from_pretrained(folder, trust_remote_code=True)
         print(f"   {type(model).__name__} from {type(model).__module__}")
