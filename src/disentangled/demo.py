@@ -123,6 +123,12 @@ def _run(args: argparse.Namespace, folder: Path, started: float) -> int:
     if child.returncode != 0 or not result_line:
         print(f"disentangled demo: the fresh process failed (exit {child.returncode})", file=sys.stderr)
         return 1
+    from transformers import AutoTokenizer
+
+    from .tokenization import make_tokenizer_portable
+
+    # The child saved with Trainer.save_model where this package is hidden: make that tokenizer load on 4.57 too.
+    make_tokenizer_portable(folder / "finetuned", AutoTokenizer.from_pretrained(converted, trust_remote_code=True))
     figures = dict(part.split("=") for part in result_line.split()[1:])
     print(
         f"\ndemo done in {time.perf_counter() - started:.0f} s: {reached + ', ' if reached else ''}"
