@@ -14,6 +14,7 @@ from .modeling import (
     DisentangledModel,
     DisentangledPreTrainedModel,
 )
+from .quantization import quantize_dynamic
 from .registration import register
 
 register()
@@ -31,4 +32,5 @@ __all__ = [
     "DisentangledForMultipleChoice",
     "register",
     "explain_attention",
+    "quantize_dynamic",
 ]

@@ -241,30 +241,37 @@ def quantize_int8(
             root.setLevel(level)
 
 
-def session(path: str | Path, threads: int | None = None):
-    """An onnxruntime CPU session with every graph optimization on (the int8 fusions need them)."""
+def onnxruntime_version() -> str:
+    import onnxruntime
+
+    return onnxruntime.__version__
+
+
+def session(path: str | Path, threads: int | None = None, spinning: bool = True):
+    """An onnxruntime CPU session with every graph optimization on (the int8 fusions need them). `spinning`
+    False stops idle threads from spinning between calls (fairer when other work shares the cores)."""
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
     options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:
         options.intra_op_num_threads = threads
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 def parity(model: nn.Module, task: str, path: str | Path, shapes: list[tuple[int, int]]) -> dict[tuple[int, int], dict]:
     """Per (batch, length), on padded random batches: the largest |onnxruntime - PyTorch| over all outputs and
     positions (padding included), and the largest |PyTorch| output it is measured against."""
-    import onnxruntime
-
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    runner = session(path)
     _, output_names = TASKS[task]
     figures = {}
     for batch, length in shapes:
         inputs = example_inputs(model.config, task, batch, length, seed=batch * 1000 + length, choices=2)
         with torch.no_grad():
             expected = ExportWrapper(model, output_names)(**inputs)
-        actual = session.run(output_names, {name: value.numpy() for name, value in inputs.items()})
+        actual = runner.run(output_names, {name: value.numpy() for name, value in inputs.items()})
         figures[(batch, length)] = {
             "max_abs_diff": max((torch.from_numpy(a) - e).abs().max().item() for a, e in zip(actual, expected)),
             "max_abs_reference": max(e.abs().max().item() for e in expected),
@@ -381,8 +388,8 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.stem}-") as folder:
         written = Path(folder) / output.name  # beside OUT.onnx, moved there only once complete
         export(model, task, written, opset=args.opset)
+        lean_graph(written)
         if args.quantize == "int8":
-            lean_graph(written)
             quantize_int8(written, Path(folder) / "int8.onnx")
             os.replace(Path(folder) / "int8.onnx", written)
         for file in Path(folder).iterdir():  # OUT.onnx and its external data, if the exporter wrote any
