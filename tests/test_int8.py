@@ -46,7 +46,7 @@ def trained(tmp_path_factory):
     model = disentangled.DisentangledForSequenceClassification(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rows = sentiment_examples(1024, seed=1)
-    for step in range(40):
+    for step in range(60):
         inputs, labels = encode(tokenizer, rows[step * 16 % 1024 :][:16])
         loss = model(**inputs, labels=labels).loss
         optimizer.zero_grad()
