@@ -68,3 +68,22 @@ def test_device_check_passes_on_the_cpu_and_catches_a_wrong_term(monkeypatch, ca
     with pytest.raises(SystemExit) as failed:
         device_check.main(["--device", "cpu", "--no-benchmark"])
     assert failed.value.code == 1 and "FAIL" in capsys.readouterr().out
+
+
+def test_int8_benchmark_reports_every_path(tmp_path):
+    """`python -m benchmarks.int8 --quick`: every path timed, every int8 path's agreement reported, the processor named."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from benchmarks import int8
+
+    int8.main(["--quick", "--repeats", "1", "--steps", "2", "--texts", "16", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "int8-quick.json").read_text())
+    assert [row["case"] for row in report["timing"]] == ["8x128 (1 layers)"]
+    assert set(report["timing"][0]["times"]) == set(int8.PATHS)
+    assert all(seconds > 0 for seconds in report["timing"][0]["times"].values())
+    assert set(report["agreement"]) == {"classifier", "fill-mask"}
+    for result in report["agreement"].values():
+        assert set(result["accuracy"]) == {"ours-float32", "ours-torch-int8", "onnxruntime-float32", "onnxruntime-int8"}
+        for name in ("ours-torch-int8", "onnxruntime-float32", "onnxruntime-int8"):
+            assert 0.0 <= result[name]["agreement"] <= 1.0 and result[name]["max_prob_diff"] >= 0.0
+    assert "onnxruntime-int8" in report["markdown"] and report["machine"].split(" (")[0] in report["markdown"]
