@@ -9,10 +9,11 @@ onnxruntime float32 (`export-onnx`) and onnxruntime int8 (`export-onnx --quantiz
 with sdpa in float32. onnxruntime runs with as many threads as torch, thread spinning off (spinning threads
 would take the cores from the next model in the round).
 
-Agreement, on the project's built-in texts (`disentangled.data`): a v3-base-shaped classifier fine-tuned
-here on the built-in sentiment task, then argmax agreement of each int8 path with its float32 predictions on
-held-out texts (and each one's accuracy); a masked LM trained here on the built-in corpus, top-1 agreement at
-one masked word per held-out line; for both, the largest change of a probability.
+Agreement, on the project's built-in texts (`disentangled.data`): a classifier (v3-base's layout and
+`--layers`, but hidden 256 and 4 heads unless `--agreement-width base`, so that it trains in seconds)
+fine-tuned here on the built-in sentiment task, then argmax agreement of each path with its float32
+predictions on held-out texts (and each one's accuracy); a masked LM trained here on the built-in corpus, top-1
+agreement at one masked word per held-out line; for both, the largest change of a probability.
 Writes benchmarks/results/int8.json (int8-quick.json with --quick).
 """
 
@@ -39,7 +40,7 @@ from disentangled.tokenization import tokenizer_from_spm
 
 RESULTS = Path(__file__).parent / "results"
 PATHS = ["ours-float32", "ours-torch-int8", "onnxruntime-float32", "onnxruntime-int8", "bert-sdpa"]
-QUICK_SHAPE = dict(hidden_size=128, num_attention_heads=4, intermediate_size=512)
+SMALL = dict(hidden_size=256, num_attention_heads=4, intermediate_size=1024)  # v3-base-like, narrower: trains fast
 
 
 def onnx_pair(model: torch.nn.Module, task: str, folder: Path, threads: int) -> dict:
@@ -129,13 +130,13 @@ def in_batches(run, encoded: dict, size: int = 64) -> torch.Tensor:
     return torch.cat([run(**{k: v[i : i + size] for k, v in encoded.items()}) for i in range(0, rows, size)])
 
 
-def agreement(layers: int, quick: bool, steps: int, texts: int, threads: int, folder: Path) -> dict:
+def agreement(layers: int, width: str, steps: int, texts: int, threads: int, folder: Path) -> dict:
     """Fine-tune a classifier and train a masked LM on the built-in data, then compare every path with float32."""
     tokenizer = tokenizer_from_spm(
         train_sentencepiece(folder / "spm", corpus_lines(3000, seed=0), vocab_size=100),
         check_text="the quick brown fox sat on the mat",
     )
-    shape = {**V3_BASE, **(QUICK_SHAPE if quick else {})}
+    shape = {**V3_BASE, **(SMALL if width == "small" else {})}
     config = dict(
         vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
@@ -273,6 +274,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="threads for torch and onnxruntime (default torch's)")
     parser.add_argument("--steps", type=int, default=None, help="training steps per agreement model (default 200)")
     parser.add_argument("--texts", type=int, default=512, help="held-out texts per agreement task (default 512)")
+    parser.add_argument(
+        "--agreement-width",
+        choices=["small", "base"],
+        default="small",
+        help="agreement models: small (hidden 256, 4 heads; default) or base (v3-base's 768, 12 heads)",
+    )
     parser.add_argument("--no-timing", action="store_true", help="agreement only")
     parser.add_argument("--no-agreement", action="store_true", help="timing only")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -295,7 +302,9 @@ def main(argv: list[str] | None = None) -> dict:
         report["timing"] = [] if args.no_timing else timing(layers, shapes, repeats, threads, Path(folder))
         gc.collect()
         report["agreement"] = (
-            {} if args.no_agreement else agreement(layers, args.quick, steps, args.texts, threads, Path(folder))
+            {}
+            if args.no_agreement
+            else agreement(layers, args.agreement_width, steps, args.texts, threads, Path(folder))
         )
     report["markdown"] = (
         f"`{report['command']}` on {report['machine']}, {report['versions']}; median of {repeats} interleaved "
