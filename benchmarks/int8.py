@@ -44,9 +44,15 @@ SMALL = dict(hidden_size=256, num_attention_heads=4, intermediate_size=1024)  # 
 
 
 def onnx_pair(model: torch.nn.Module, task: str, folder: Path, threads: int) -> dict:
-    """`export-onnx`'s float32 and int8 graphs of `model`, as onnxruntime sessions."""
+    """`export-onnx`'s float32 and int8 graphs of `model` (traced with eager attention, the command's default),
+    as onnxruntime sessions."""
     float_path, int8_path = folder / f"{task}-float32.onnx", folder / f"{task}-int8.onnx"
-    onnx_export.export(model, task, float_path)
+    backend = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        onnx_export.export(model, task, float_path)
+    finally:
+        model.set_attn_implementation(backend)
     onnx_export.lean_graph(float_path)
     onnx_export.quantize_int8(float_path, int8_path)
     return {
