@@ -110,6 +110,58 @@ def timing(layers: int, shapes: list[tuple[int, int]], repeats: int, threads: in
     return rows
 
 
+def operator_shares(path: Path, inputs: dict, threads: int, runs: int = 4) -> tuple[float, dict[str, float]]:
+    """onnxruntime's profile of `runs` calls (the first, with its allocations, included): milliseconds per call
+    spent in operators, and each operator type's share of them, largest first."""
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.enable_profiling = True
+    options.profile_file_prefix = str(path.with_suffix(""))
+    session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    feeds = {name: value.numpy() for name, value in inputs.items()}
+    for _ in range(runs):
+        session.run(None, feeds)
+    trace = Path(session.end_profiling())
+    events = json.loads(trace.read_text())
+    trace.unlink()
+    by_operator = {}
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            operator = event["args"]["op_name"]
+            by_operator[operator] = by_operator.get(operator, 0.0) + event["dur"]
+    total = sum(by_operator.values())
+    shares = {op: microseconds / total for op, microseconds in sorted(by_operator.items(), key=lambda x: -x[1])}
+    return total / runs / 1000, shares
+
+
+def profile(layers: int, batch: int, length: int, threads: int, folder: Path) -> dict:
+    """Where the int8 graph spends its time: onnxruntime's `quantize_dynamic` as is on the plain export,
+    against `export-onnx --quantize int8`'s graph (Einsums as MatMuls, weight subgraphs folded)."""
+    from onnxruntime.quantization import quantize_dynamic
+
+    models = build_models(layers, folder / "checkpoint", ["eager"], training=False)
+    ours = models["ours-eager"]
+    del models
+    plain, as_is, prepared = folder / "plain.onnx", folder / "int8-as-is.onnx", folder / "int8.onnx"
+    onnx_export.export(ours, "base", plain)
+    quantize_dynamic(plain, as_is)
+    onnx_export.lean_graph(plain)
+    onnx_export.quantize_int8(plain, prepared)
+    inputs = inputs_for(batch, length, padded=True)
+    result = {}
+    for name, path in (("quantize_dynamic as is", as_is), ("export-onnx --quantize int8", prepared)):
+        milliseconds, shares = operator_shares(path, inputs, threads)
+        result[name] = {"ms_per_call_in_operators": milliseconds, "shares": shares}
+        print(
+            f"{name}: {milliseconds:.0f} ms per call in operators ({batch}x{length}, {layers} layers, {threads} threads)"
+        )
+        for operator, share in list(shares.items())[:12]:
+            print(f"  {operator:28s} {100 * share:5.1f}%")
+    return result
+
+
 def train(model: torch.nn.Module, batches, steps: int, learning_rate: float) -> float:
     """A plain AdamW loop over `batches` (a callable step -> inputs with labels); returns the last loss."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.01)
@@ -286,6 +338,11 @@ def main(argv: list[str] | None = None) -> dict:
         default="small",
         help="agreement models: small (hidden 256, 4 heads; default) or base (v3-base's 768, 12 heads)",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="only onnxruntime's per-operator profile of the int8 graph, before and after the export's preparation",
+    )
     parser.add_argument("--no-timing", action="store_true", help="agreement only")
     parser.add_argument("--no-agreement", action="store_true", help="timing only")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -304,6 +361,12 @@ def main(argv: list[str] | None = None) -> dict:
         "versions": f"onnxruntime {onnx_export.onnxruntime_version()}, transformers {transformers.__version__}",
     }
     print(report["machine"], flush=True)
+    if args.profile:
+        with tempfile.TemporaryDirectory() as folder:
+            report["profile"] = profile(layers, *shapes[0], threads, Path(folder))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "int8-profile.json").write_text(json.dumps(report, indent=2))
+        return report
     with tempfile.TemporaryDirectory() as folder:
         report["timing"] = [] if args.no_timing else timing(layers, shapes, repeats, threads, Path(folder))
         gc.collect()
