@@ -70,8 +70,11 @@ def weights_key(*tensors: Tensor | None) -> tuple | None:
 
     Every in-place update through autograd's view of a parameter (optimizer steps, `load_state_dict`,
     `param.copy_` under no_grad) bumps `_version`; replacing a parameter or moving it changes the storage.
-    None when a version is unreadable (tensors created under inference_mode): then nothing is cached.
+    None when a version is unreadable (tensors created under inference_mode) or a weight is not a tensor (a
+    dynamically quantized linear's `weight` is a method): then nothing is cached.
     """
+    if not all(isinstance(t, Tensor) for t in tensors if t is not None):
+        return None
     try:
         return tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors if t is not None)
     except RuntimeError:

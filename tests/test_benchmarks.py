@@ -93,3 +93,22 @@ def test_pretraining_benchmark_reports_every_mode(tmp_path):
     assert set(saved["speed"]["ratio"]) == {"rtd-none", "rtd-es", "rtd-gdes"}
     assert all(tokens_per_s > 0 for tokens_per_s in saved["speed"]["pipeline"].values())
     assert (tmp_path / "pretrain-quick.png").stat().st_size > 0
+
+
+def test_int8_benchmark_reports_every_path(tmp_path):
+    """`python -m benchmarks.int8 --quick`: every path timed, every int8 path's agreement reported, the processor named."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from benchmarks import int8
+
+    int8.main(["--quick", "--repeats", "1", "--steps", "2", "--texts", "16", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "int8-quick.json").read_text())
+    assert [row["case"] for row in report["timing"]] == ["8x128 (1 layers)"]
+    assert set(report["timing"][0]["times"]) == set(int8.PATHS)
+    assert all(seconds > 0 for seconds in report["timing"][0]["times"].values())
+    assert set(report["agreement"]) == {"classifier", "fill-mask"}
+    for result in report["agreement"].values():
+        assert set(result["accuracy"]) == {"ours-float32", "ours-torch-int8", "onnxruntime-float32", "onnxruntime-int8"}
+        for name in ("ours-torch-int8", "onnxruntime-float32", "onnxruntime-int8"):
+            assert 0.0 <= result[name]["agreement"] <= 1.0 and result[name]["max_prob_diff"] >= 0.0
+    assert "onnxruntime-int8" in report["markdown"] and report["machine"].split(" (")[0] in report["markdown"]

@@ -15,6 +15,7 @@ from .modeling import (
     DisentangledModel,
     DisentangledPreTrainedModel,
 )
+from .quantization import quantize_dynamic
 from .registration import register
 
 register()
@@ -33,4 +34,5 @@ __all__ = [
     "DisentangledForMultipleChoice",
     "register",
     "explain_attention",
+    "quantize_dynamic",
 ]
