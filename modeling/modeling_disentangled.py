@@ -470,7 +470,9 @@ class DisentangledPreTrainedModel(PreTrainedModel):
     # reads the `**kwargs` of `forward` as "normalises by num_items_in_batch" and scales the loss by the number of
     # processes (DDP) and not by the gradient-accumulation steps.
     accepts_loss_kwargs = False
-    _keys_to_ignore_on_load_unexpected = [r"position_embeddings", r"mask_predictions\."]
+    # encoder.LayerNorm normalises the relative embeddings; transformers' DeBERTa-v2 also builds it, unused, without
+    # relative attention (and saves it), where ours has none.
+    _keys_to_ignore_on_load_unexpected = [r"position_embeddings", r"mask_predictions\.", r"encoder\.LayerNorm\."]
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)

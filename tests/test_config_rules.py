@@ -137,3 +137,21 @@ def test_legacy_mlm_bias_is_declared_as_transformers_declares_it(tmp_path):
     if int(transformers.__version__.split(".")[0]) >= 5:
         assert loaded.cls.predictions.decoder.bias is not loaded.cls.predictions.bias
     torch.testing.assert_close(loaded.cls.predictions.decoder.bias, untied.cls.predictions.decoder.bias)
+
+
+def test_every_parameter_gets_a_gradient_without_relative_attention(tmp_path):
+    """No relative attention, norm_rel_ebd at its default "layer_norm": no LayerNorm of relative embeddings that
+    nothing reads (a parameter without gradient breaks DDP); DeBERTa-v2 checkpoints that hold one still load."""
+    config = DisentangledConfig(**TINY, relative_attention=False, position_biased_input=True)
+    model = disentangled.DisentangledForTokenClassification(config).train()
+    model(torch.randint(1, 99, (2, 7)), labels=torch.zeros(2, 7, dtype=torch.long)).loss.backward()
+    assert [name for name, p in model.named_parameters() if p.grad is None] == []
+    fields = dict(TINY, relative_attention=False, norm_rel_ebd="layer_norm", position_biased_input=True)
+    reference = transformers.DebertaV2Model(transformers.DebertaV2Config(**fields)).eval()
+    assert hasattr(reference.encoder, "LayerNorm")  # transformers builds it, unused, and saves it
+    reference.save_pretrained(tmp_path)
+    ours, info = disentangled.DisentangledModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    input_ids = torch.randint(1, 99, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(input_ids)[0], reference(input_ids)[0], rtol=1e-5, atol=1e-5)
