@@ -57,13 +57,11 @@ class GenerationTesterMixin:
 distribution. Non-default values of PretrainedConfig's common arguments, which ConfigTester passes to a config and
 reads back."""
 
-import transformers
-
 config_common_kwargs = {
     "return_dict": False,
     "output_hidden_states": True,
     "output_attentions": True,
-    "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": "float16",
+    "dtype": "float16",  # ConfigTester reads it back as torch.float16 (`dtype` since transformers 4.56)
     "tie_word_embeddings": False,
     "chunk_size_feed_forward": 5,
     "architectures": ["DisentangledModel"],
