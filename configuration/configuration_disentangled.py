@@ -2,7 +2,9 @@
 
 `DisentangledConfig` accepts every field of transformers' `DebertaConfig` (v1) and `DebertaV2Config`
 (v2, v3, mDeBERTa) with the same meaning; its defaults describe DeBERTa-v3-base. Invalid values fail
-here, at construction, with a ValueError that names the field and what is allowed.
+here, at construction, with a ValueError that names the field and what is allowed; rules that tie fields together
+(heads dividing the hidden size, the reach of log buckets) are checked by `validate_for_model` when a model is
+built, as transformers does.
 
 This file is shipped unchanged as Hub remote code: stdlib, `transformers` only.
 """
@@ -57,7 +59,8 @@ class DisentangledConfig(PretrainedConfig):
             `max_position_embeddings`. With `position_buckets > 0` it is the distance the log buckets reach.
         position_buckets: Buckets per side of the log-bucketed relative distance (v2/v3: 256); <= 0 clips
             distances to `max_relative_positions` instead.
-        pos_att_type: Position terms to add, from "c2p", "p2c", "p2p"; a list or a "c2p|p2c" string.
+        pos_att_type: Position terms to add, from "c2p", "p2c", "p2p"; a list or a "c2p|p2c" string. "None" (or
+            None, or an empty list) adds none, as in transformers.
         share_att_key: Project relative embeddings with the content query/key projections (v2/v3) instead
             of separate `pos_query_proj` / `pos_key_proj`.
         position_biased_input: Add absolute position embeddings to the input (v1 and v2 do, v3 does not).
@@ -120,11 +123,15 @@ class DisentangledConfig(PretrainedConfig):
     ):
         if pos_att_type is None:
             pos_att_type = []
-        if isinstance(pos_att_type, str):  # checkpoints store "p2c|c2p"
+        if isinstance(pos_att_type, str):  # checkpoints store "p2c|c2p"; "None" is transformers' "no position terms"
             pos_att_type = [part.strip() for part in pos_att_type.lower().split("|") if part.strip()]
-        pos_att_type = [str(term).lower() for term in pos_att_type]
+        # "none" is no term (transformers' DeBERTa-v2 tester and Microsoft's configs write "None"): dropped here, so
+        # the scaling counts the terms that are there, as transformers' DeBERTa-v2 does.
+        pos_att_type = [str(term).lower() for term in pos_att_type if term is not None and str(term).lower() != "none"]
         if unknown := set(pos_att_type) - set(POSITION_TERMS):
-            raise ValueError(f"pos_att_type: unsupported entries {sorted(unknown)}; allowed: {list(POSITION_TERMS)}")
+            raise ValueError(
+                f'pos_att_type: unsupported entries {sorted(unknown)}; allowed: {list(POSITION_TERMS)}, or "none"'
+            )
         if len(set(pos_att_type)) != len(pos_att_type):
             raise ValueError(f"pos_att_type: duplicate entries in {pos_att_type}")
 
@@ -144,11 +151,6 @@ class DisentangledConfig(PretrainedConfig):
         ):
             if value is not None:
                 _require_positive_int(name, value)
-        if attention_head_size is None and hidden_size % num_attention_heads != 0:
-            raise ValueError(
-                f"hidden_size ({hidden_size}) is not divisible by num_attention_heads ({num_attention_heads}); "
-                "change one of them or set attention_head_size explicitly"
-            )
         if not isinstance(type_vocab_size, int) or type_vocab_size < 0:
             raise ValueError(
                 f"type_vocab_size must be an integer >= 0 (0 disables token types), got {type_vocab_size!r}"
@@ -162,8 +164,6 @@ class DisentangledConfig(PretrainedConfig):
                 f"conv_kernel_size must be odd so the convolution keeps the length, got {conv_kernel_size}"
             )
         _require_positive_int("conv_groups", conv_groups)
-        if conv_kernel_size > 0 and hidden_size % conv_groups != 0:
-            raise ValueError(f"conv_groups ({conv_groups}) must divide hidden_size ({hidden_size})")
         for name, value in (
             ("hidden_dropout_prob", hidden_dropout_prob),
             ("attention_probs_dropout_prob", attention_probs_dropout_prob),
@@ -185,19 +185,13 @@ class DisentangledConfig(PretrainedConfig):
             raise ValueError(
                 "talking_head=True is not supported (no released DeBERTa checkpoint uses it); set talking_head=False"
             )
-        if relative_attention:
-            if not isinstance(position_buckets, int):
-                raise ValueError(
-                    f"position_buckets must be an integer (<= 0 disables buckets), got {position_buckets!r}"
-                )
-            reach = max_relative_positions if max_relative_positions > 0 else max_position_embeddings
-            if position_buckets > 0 and reach <= position_buckets // 2 + 1:  # log((reach - 1) / mid) must be > 0
-                source = "max_relative_positions" if max_relative_positions > 0 else "max_position_embeddings"
-                raise ValueError(
-                    f"{source} ({reach}) must exceed position_buckets // 2 + 1 ({position_buckets // 2 + 1}) for "
-                    f"log buckets (max_relative_positions, or max_position_embeddings when it is -1); raise it or "
-                    "lower position_buckets"
-                )
+        if isinstance(position_buckets, bool) or not isinstance(position_buckets, int):
+            raise ValueError(f"position_buckets must be an integer (<= 0 disables buckets), got {position_buckets!r}")
+        if isinstance(max_relative_positions, bool) or not isinstance(max_relative_positions, int):
+            raise ValueError(
+                f"max_relative_positions must be an integer (< 1 means max_position_embeddings), got "
+                f"{max_relative_positions!r}"
+            )
 
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -233,14 +227,43 @@ class DisentangledConfig(PretrainedConfig):
         kwargs.setdefault("tie_word_embeddings", True)  # the legacy MLM decoder is the word embedding matrix
         super().__init__(pad_token_id=pad_token_id, **kwargs)
 
+    def validate_for_model(self) -> None:
+        """The rules that tie fields together, checked when a model is built (`DisentangledModel.__init__`), not when
+        a config is: configs are built in steps (`AutoConfig` then edits, `config.update`, hyper-parameter search),
+        and transformers' own configs accept such intermediate states too. Raises a ValueError naming both fields."""
+        if self.attention_head_size is None and self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                f"({self.num_attention_heads}); change one of them or set attention_head_size explicitly"
+            )
+        if self.conv_kernel_size > 0 and self.hidden_size % self.conv_groups != 0:
+            raise ValueError(f"conv_groups ({self.conv_groups}) must divide hidden_size ({self.hidden_size})")
+        # log((reach - 1) / mid) must be > 0 for log buckets
+        if (
+            self.relative_attention
+            and 0 < self.position_buckets
+            and self.max_relative_distance <= self.position_buckets // 2 + 1
+        ):
+            source = "max_relative_positions" if self.max_relative_positions > 0 else "max_position_embeddings"
+            raise ValueError(
+                f"{source} ({self.max_relative_distance}) must exceed position_buckets // 2 + 1 "
+                f"({self.position_buckets // 2 + 1}) for log buckets (max_relative_positions, or "
+                "max_position_embeddings when it is -1); raise it or lower position_buckets"
+            )
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict, dict]:
+        """A transformers `deberta-v2` config.json (`DisentangledForX.from_pretrained(deberta_v2_folder)`) is read as
+        what it is, before `from_pretrained` would warn that its model type is not ours."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        reject_deberta_v1(config_dict)  # before from_pretrained's model-type warning, too
+        return _read_deberta_v2(config_dict), kwargs
+
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
-        """Also reads a transformers `deberta-v2` config.json, where an absent field has DebertaV2's meaning."""
+        """Also reads a transformers `deberta-v2` config dict, where an absent field has DebertaV2's meaning."""
         reject_deberta_v1(config_dict)
-        if config_dict.get("model_type") == "deberta-v2":
-            config_dict = {**DEBERTA_V2_ABSENT_DEFAULTS, **config_dict}
-            config_dict.pop("model_type")
-        return super().from_dict(config_dict, **kwargs)
+        return super().from_dict(_read_deberta_v2(config_dict), **kwargs)
 
     # Derived values the modules read; one definition each.
     @property
@@ -262,6 +285,16 @@ class DisentangledConfig(PretrainedConfig):
     @property
     def word_embedding_size(self) -> int:
         return self.embedding_size or self.hidden_size
+
+
+def _read_deberta_v2(config_dict: dict) -> dict:
+    """Our fields from a transformers `deberta-v2` config dict: the same names, and DebertaV2's meaning for absent
+    ones. Other dicts are returned as they are."""
+    if config_dict.get("model_type") != "deberta-v2":
+        return config_dict
+    config_dict = {**DEBERTA_V2_ABSENT_DEFAULTS, **config_dict}
+    config_dict.pop("model_type")
+    return config_dict
 
 
 def _require_positive_int(name: str, value) -> None:

@@ -404,7 +404,7 @@ class DisentangledEncoder(nn.Module):
         self.span = config.relative_span
         if self.relative_attention:
             self.rel_embeddings = nn.Embedding(2 * self.span, config.hidden_size)
-        if "layer_norm" in config.norm_rel_ebd.split("|"):
+        if self.relative_attention and "layer_norm" in config.norm_rel_ebd.split("|"):  # it normalises P only
             self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.conv = ConvLayer(config) if config.conv_kernel_size > 0 else None
         self.gradient_checkpointing = False
@@ -492,8 +492,10 @@ class DisentangledPreTrainedModel(PreTrainedModel):
     # reads the `**kwargs` of `forward` as "normalises by num_items_in_batch" and scales the loss by the number of
     # processes (DDP) and not by the gradient-accumulation steps.
     accepts_loss_kwargs = False
-    # transformers' DeBERTa checkpoints carry the absolute table and the RTD head also where a class reads neither.
-    _keys_to_ignore_on_load_unexpected = [r"position_embeddings", r"mask_predictions\."]
+    # transformers' DeBERTa checkpoints carry the absolute table and the RTD head also where a class reads neither,
+    # and DeBERTa-v2 builds (and saves) the relative embeddings' encoder.LayerNorm also without relative attention,
+    # where ours has none.
+    _keys_to_ignore_on_load_unexpected = [r"position_embeddings", r"mask_predictions\.", r"encoder\.LayerNorm\."]
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
@@ -503,6 +505,7 @@ class DisentangledPreTrainedModel(PreTrainedModel):
 
 class DisentangledModel(DisentangledPreTrainedModel):
     def __init__(self, config: DisentangledConfig):
+        config.validate_for_model()  # cross-field rules (heads divide hidden size, bucket reach) when a model is built
         super().__init__(config)
         self.embeddings = DisentangledEmbeddings(config)
         self.encoder = DisentangledEncoder(config)
@@ -658,7 +661,10 @@ class LegacyMLMPredictionHead(nn.Module):
         self.transform = LegacyMLMTransform(config)
         self.decoder = nn.Linear(config.word_embedding_size, config.vocab_size)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
-        self.decoder.bias = self.bias
+        # transformers 5 ties decoder.bias to bias through `_tied_weights_keys` when tie_word_embeddings is set (and
+        # keeps them apart when not); 4.57 ties through this link and `_tie_weights`.
+        if not TRANSFORMERS_5:
+            self.decoder.bias = self.bias
 
     def _tie_weights(self) -> None:  # transformers 4.57 re-ties through this after loading
         self.decoder.bias = self.bias
@@ -700,9 +706,9 @@ class MLMHead(nn.Module):
         return self.lm_head(sequence_output, word_embeddings)
 
 
-_LEGACY_TIES = {
-    "cls.predictions.decoder.weight": "deberta.embeddings.word_embeddings.weight",
+_LEGACY_TIES = {  # target: source, as transformers' DebertaV2ForMaskedLM declares them
     "cls.predictions.decoder.bias": "cls.predictions.bias",
+    "cls.predictions.decoder.weight": "deberta.embeddings.word_embeddings.weight",
 }
 
 
@@ -755,7 +761,7 @@ class DisentangledForMaskedLM(DisentangledPreTrainedModel):
             keep = min(vocab, head.bias.shape[0])
             bias[:keep] = head.bias.data[:keep]
             head.bias = nn.Parameter(bias)
-        if self.legacy:
+        if self.legacy and (self.config.tie_word_embeddings or not TRANSFORMERS_5):
             head.decoder.bias = head.bias
         return embeddings
 
