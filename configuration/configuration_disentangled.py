@@ -78,8 +78,8 @@ class DisentangledConfig(PretrainedConfig):
             `lm_predictions.lm_head`.
         enhanced_mask_decoder: Masked-LM logits through DeBERTa's Enhanced Mask Decoder (Microsoft's
             `MaskedLanguageModel`): the last layer runs twice more on queries Z + H, with Z the absolute position
-            embeddings and H the last layer's input. Keeps `position_embeddings` also when
-            `position_biased_input` is False. Needs `legacy=False` and `embedding_size == hidden_size`.
+            embeddings and H the last layer's input. The masked-LM head then keeps `position_embeddings` also when
+            `position_biased_input` is False (other heads build no table they would not read). Needs `legacy=False` and `embedding_size == hidden_size`.
         talking_head: Accepted for v1 configs; only False is supported (no released checkpoint uses it).
     """
 

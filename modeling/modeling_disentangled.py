@@ -90,8 +90,9 @@ def inference_cache_allowed(module: nn.Module) -> bool:
 class DisentangledEmbeddings(nn.Module):
     """Word (+ absolute position) (+ token type) embeddings, projected to hidden_size, normalised, masked.
 
-    The absolute table `position_embeddings` exists when `position_biased_input` (added to the input) or
-    `enhanced_mask_decoder` (read only by the decoder, as Z in its queries Z + H).
+    The absolute table `position_embeddings` is added to the input with `position_biased_input`. Without it, the
+    masked-LM head with the Enhanced Mask Decoder adds the table here for the decoder alone (Z in its queries Z + H);
+    the other heads have no use for it and do not build it (an unused parameter would stall DDP).
     """
 
     def __init__(self, config: DisentangledConfig):
@@ -99,9 +100,7 @@ class DisentangledEmbeddings(nn.Module):
         size = config.word_embedding_size
         self.word_embeddings = nn.Embedding(config.vocab_size, size, padding_idx=config.pad_token_id)
         self.position_embeddings = (
-            nn.Embedding(config.max_position_embeddings, size)
-            if config.position_biased_input or config.enhanced_mask_decoder
-            else None
+            nn.Embedding(config.max_position_embeddings, size) if config.position_biased_input else None
         )
         self.position_biased_input = config.position_biased_input
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, size) if config.type_vocab_size > 0 else None
@@ -734,6 +733,10 @@ class DisentangledForMaskedLM(DisentangledPreTrainedModel):
         self.legacy = config.legacy
         self.use_decoder = config.enhanced_mask_decoder and not config.position_biased_input
         self.deberta = DisentangledModel(config)
+        if self.use_decoder:  # the decoder's Z, under the name checkpoints give it
+            self.deberta.embeddings.position_embeddings = nn.Embedding(
+                config.max_position_embeddings, config.word_embedding_size
+            )
         if self.legacy:
             self.cls = LegacyMLMHead(config)
         else:  # the head reads the word embeddings directly: nothing to tie

@@ -9,7 +9,8 @@ Testers (tiny, as upstream's, so the whole module runs in a few minutes on two c
 - `deberta_v2`: the configuration of transformers' own DeBERTa-v2 tester (tests/models/deberta_v2/): absolute
   positions and token types, no relative attention, `pos_att_type="None"`.
 - `v3`: DeBERTa-v3-like: relative attention with a few log buckets (reached within the tester's sequences), shared
-  keys, LayerNorm'd relative embeddings, no absolute positions, the `legacy=False` MLM head.
+  keys, LayerNorm'd relative embeddings, no absolute positions, the `legacy=False` MLM head
+  with the Enhanced Mask Decoder (as the v3 generators have it).
 - `v1`: DeBERTa-v1-like: distances clipped to a span shorter than the sequences, separate position projections,
   absolute positions.
 
@@ -56,6 +57,7 @@ if not is_fetched():
 pytest.importorskip("parameterized", reason="transformers' test_modeling_common.py imports parameterized")
 sys.path.insert(0, str(suite_path()))
 
+from transformers.testing_utils import torch_device  # noqa: E402
 from transformers_common_tests.test_configuration_common import ConfigTester  # noqa: E402
 from transformers_common_tests.test_modeling_common import ModelTesterMixin, ids_tensor  # noqa: E402
 
@@ -66,6 +68,7 @@ HEADS = (
     disentangled.DisentangledForTokenClassification,
     disentangled.DisentangledForQuestionAnswering,
     disentangled.DisentangledForMultipleChoice,
+    disentangled.DisentangledForReplacedTokenDetection,
 )
 UPSTREAM_HEADS = (
     transformers.DebertaV2Model,
@@ -107,6 +110,7 @@ TESTERS = {
         norm_rel_ebd="layer_norm",
         position_biased_input=False,
         legacy=False,
+        enhanced_mask_decoder=True,  # as DeBERTa-v3's generators: the masked-LM head runs the decoder
     ),
     "v1": dict(
         max_position_embeddings=512,
@@ -245,6 +249,9 @@ class DisentangledModelTester:
             }
             inputs["labels"] = choice_labels
             expected = {"logits": (batch, self.num_choices), "loss": ()}
+        elif name == "ForReplacedTokenDetection":
+            inputs["labels"] = ids_tensor([batch, length], 2)
+            expected = {"logits": (batch, length), "loss": ()}
         else:
             raise NotImplementedError(f"add the output shapes of {model_class.__name__} to check_head")
         with torch.no_grad():
@@ -275,6 +282,15 @@ class CommonSuite(ModelTesterMixin):
 
     def test_config(self):
         self.config_tester.run_common_tests()
+
+    def _prepare_for_class(self, inputs_dict, model_class, return_labels=False):
+        """With labels, the replaced-token-detection head gets one per token (as transformers' ELECTRA tests give
+        its discriminator); the mixin knows no labels for AutoModelForPreTraining classes."""
+        inputs_dict = super()._prepare_for_class(inputs_dict, model_class, return_labels)
+        if return_labels and model_class is disentangled.DisentangledForReplacedTokenDetection:
+            shape = (self.model_tester.batch_size, self.model_tester.seq_length)
+            inputs_dict["labels"] = torch.zeros(shape, dtype=torch.long, device=torch_device)
+        return inputs_dict
 
     def test_heads_output_shapes(self):
         for model_class in self.all_model_classes:
