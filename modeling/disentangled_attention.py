@@ -163,10 +163,12 @@ def position_table(content: Tensor, rows: Tensor | None) -> Tensor | None:
 
 
 def p2c_by_row(key: Tensor, pos_query: Tensor | None) -> Tensor | None:
-    """The p2c table of `key` read by table row: [B, H, W, L], a transposed view of k_j . Qr[r], so that
-    gathering along its rows gives a bias in [i, j'] order directly."""
-    table = position_table(key, pos_query)
-    return table.mT if table is not None else None
+    """The p2c table of `key` laid out by table row: [B, H, W, L] (contiguous), k_j . Qr[r], so that gathering
+    along its rows gives a bias in [i, j'] order directly, and a row (the far keys' bias) is contiguous.
+
+    Contiguous rather than a transposed view of `position_table`: the gather then reads along rows (about a third
+    faster at 1x2048), for the same product."""
+    return torch.einsum("bhld,hrd->bhrl", key, pos_query) if pos_query is not None else None
 
 
 @dataclass
