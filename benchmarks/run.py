@@ -55,6 +55,28 @@ V3_BASE = dict(
 )
 
 
+VECTOR_FLAGS = ("avx2", "avx512", "amx", "avx_vnni", "fma", "neon", "asimd", "sve")
+
+
+def processor() -> str:
+    """The processor model and its vector extensions (avx2, avx512*, amx*, ...) from /proc/cpuinfo: ratios
+    depend on them (BERT's fused SDPA gains more from AVX-512 than our bias building does)."""
+    model, flags = platform.processor() or platform.machine(), []
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                name, _, value = line.partition(":")
+                if name.strip() == "model name" and value.strip():
+                    model = value.strip()
+                elif name.strip() in ("flags", "Features") and not flags:
+                    flags = sorted(f for f in value.split() if f.startswith(VECTOR_FLAGS))
+                if model != platform.machine() and flags:
+                    break
+    except OSError:  # not Linux: the model name alone
+        pass
+    return f"{model} [{' '.join(flags) or 'vector extensions unknown'}]"
+
+
 def build_bert(layers: int) -> transformers.BertModel:
     """A BERT of the same size, plain attention through sdpa, positions for 32k tokens."""
     config = transformers.BertConfig(
@@ -287,13 +309,15 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     report = {
         "command": "python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
+        "processor": processor(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
         f" ({torch.get_num_threads()} threads), transformers {transformers.__version__}, {args.dtype}"
         + (f", {torch.cuda.get_device_name(args.device)}" if args.device.startswith("cuda") else ""),
         "inference": [],
         "training": [],
         "memory": {},
     }
+    print(f"Processor: {report['processor']}", flush=True)
     with tempfile.TemporaryDirectory() as folder:
         folder = Path(folder)
         if not args.no_timing:
@@ -341,7 +365,11 @@ def main(argv: list[str] | None = None) -> None:
         + (["ours-flex_attention"] if args.flex else [])
         + ["ours-sdpa", "transformers-deberta", "bert-sdpa"]
     )
-    text = [f"`{report['command']}` on {report['machine']}; median of {repeats} interleaved runs.", ""]
+    text = [
+        f"`{report['command']}` on {report['machine']}; median of {repeats} interleaved runs.",
+        f"Processor: {report['processor']}",
+        "",
+    ]
     if report["inference"] or report["training"]:
         text += [markdown_timing_table(report["inference"] + report["training"], names), ""]
     if report["memory"]:

@@ -163,10 +163,12 @@ def position_table(content: Tensor, rows: Tensor | None) -> Tensor | None:
 
 
 def p2c_by_row(key: Tensor, pos_query: Tensor | None) -> Tensor | None:
-    """The p2c table of `key` read by table row: [B, H, W, L], a transposed view of k_j . Qr[r], so that
-    gathering along its rows gives a bias in [i, j'] order directly."""
-    table = position_table(key, pos_query)
-    return table.mT if table is not None else None
+    """The p2c table of `key` laid out by table row: [B, H, W, L] (contiguous), k_j . Qr[r], so that gathering
+    along its rows gives a bias in [i, j'] order directly, and a row (the far keys' bias) is contiguous.
+
+    Contiguous rather than a transposed view of `position_table`: the gather then reads along rows (about a third
+    faster at 1x2048), for the same product."""
+    return torch.einsum("bhld,hrd->bhrl", key, pos_query) if pos_query is not None else None
 
 
 @dataclass
@@ -252,8 +254,11 @@ def eager_disentangled(
     return (probs @ value).transpose(1, 2), probs
 
 
-CPU_FLASH_WITH_LSE = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-SDPA_BLOCK_ELEMENTS = 1 << 20  # bias elements per query block on the CPU (4 MiB in float32): bounded, cache-sized
+# The CPU flash kernel, which also returns the log-sum-exp (None on torch without it)
+cpu_flash_attention = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+CPU_FLASH_WITH_LSE = cpu_flash_attention is not None
+# Bias elements per query block on the CPU (8 MiB in float32): bounded; the fastest of 2^18 ... 2^22 at 8x128 to 1x4096
+SDPA_BLOCK_ELEMENTS = 1 << 21
 # On an accelerator the block is bounded too, but large enough that a batch takes a few kernel launches, not
 # hundreds (256 MiB in float32).
 SDPA_BLOCK_ELEMENTS_ACCELERATOR = 1 << 26
@@ -530,12 +535,14 @@ def _attend_near_and_far(
             if c2p_rows is not None:
                 row_constant = c2p_rows[..., column].float()  # [B, H, rows]
             if p2c_rows is not None:
-                bias = p2c_rows[:, :, column, keys].unsqueeze(-2).to(query.dtype)  # [B, H, 1, keys]
+                # [B, H, 1, keys], contiguous: the CPU flash kernel copies a mask with strided keys into a whole
+                # [B, H, rows, keys] one
+                bias = p2c_rows[:, :, column, keys].unsqueeze(-2).to(query.dtype).contiguous()
             else:
                 bias = query.new_zeros(1, 1, 1, keys.stop - keys.start)
         if mask is not None:
             bias = bias.masked_fill(~mask[..., keys], torch.finfo(query.dtype).min)
-        context, log_sum_exp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        context, log_sum_exp = cpu_flash_attention(
             query[:, :, first:last], key[:, :, keys], value[:, :, keys], attn_mask=bias, scale=scaling
         )
         parts.append((context, log_sum_exp + row_constant))

@@ -227,6 +227,29 @@ def test_sdpa_inference_beyond_the_buckets_reach_matches_eager(variant):
     assert max_abs_diff(actual, expected, batch["attention_mask"]) <= 1e-5 * max(1.0, expected.abs().max().item())
 
 
+@pytest.mark.skipif(not backends.CPU_FLASH_WITH_LSE, reason="the near/far split needs the CPU flash kernel's LSE")
+@pytest.mark.parametrize("padded", [False, True])
+def test_far_parts_hand_the_flash_kernel_masks_it_reads_in_place(monkeypatch, padded):
+    """The CPU flash kernel copies a mask whose keys are strided into a whole [B, H, rows, keys] tensor (it was a
+    fifth of the time at 1x2048): every bias the near/far split hands it has unit key stride. Outputs as eager."""
+    flash, masks = backends.cpu_flash_attention, []
+
+    def recording_flash(*args, attn_mask=None, **kwargs):
+        masks.append(attn_mask)
+        return flash(*args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(backends, "cpu_flash_attention", recording_flash)
+    reference = build("eager")
+    sdpa = with_implementation(reference, "sdpa")
+    batch = padded_batch(100, [150, 97] if padded else [150])
+    with torch.no_grad():
+        expected = reference(**batch).last_hidden_state
+        actual = sdpa(**batch).last_hidden_state
+    assert masks and any(mask.shape[-2] == 1 for mask in masks)  # far parts ran, with a key bias
+    assert all(mask.stride(-1) == 1 for mask in masks)
+    assert max_abs_diff(actual, expected, batch["attention_mask"]) <= 1e-5 * max(1.0, expected.abs().max().item())
+
+
 def blocked_attention_inputs(dtype=torch.float64, length=12, batch=2, heads=3, dim=4):
     """Inputs of `BlockedAttention`: keys already reversed, log buckets from |d| >= 4 on, one padded sequence."""
     positions = backends.RelativePositions.build(length, 8, 8, 16, "cpu")

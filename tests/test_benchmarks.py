@@ -21,6 +21,21 @@ def test_quick_benchmark_reports_every_case_and_model(tmp_path):
         assert set(row["times"]) == {"ours-eager", "ours-sdpa", "transformers-deberta", "bert-sdpa"}
         assert all(seconds > 0 for seconds in row["times"].values())
     assert "| infer 2x512 (1 layers) |" in report["markdown"]
+    assert f"Processor: {report['processor']}" in report["markdown"]
+
+
+def test_processor_names_the_model_and_its_vector_extensions(monkeypatch, tmp_path):
+    """The processor line reads the model name and only the vector flags from /proc/cpuinfo."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("model name\t: Example Xeon\nflags\t\t: fpu sse avx2 avx512f avx512bw amx_tile vme\n")
+    real_open = open
+    monkeypatch.setattr(
+        run,
+        "open",
+        lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path, *a, **k),
+        raising=False,
+    )
+    assert run.processor() == "Example Xeon [amx_tile avx2 avx512bw avx512f]"
 
 
 def test_benchmark_memory_child_and_low_precision(tmp_path):
