@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -41,6 +39,8 @@ from pathlib import Path
 
 import torch
 import transformers
+
+from benchmarks import machine
 
 RESULTS = Path(__file__).parent / "results"
 MODES = ("mlm", "rtd-none", "rtd-es", "rtd-gdes")
@@ -364,8 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
     command = "python -m benchmarks.pretrain " + " ".join(argv if argv is not None else sys.argv[1:])
     report = {
         "command": command.strip(),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), transformers {transformers.__version__}",
+        "machine": f"{machine.describe()}, transformers {transformers.__version__}",
         "seed": args.seed,
         "settings": settings,
         "settings_text": f"--config tiny, {settings['steps']} steps of {settings['batch']}x{settings['length']} "

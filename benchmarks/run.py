@@ -33,6 +33,7 @@ import torch
 import transformers
 
 import disentangled
+from benchmarks import machine
 
 RESULTS = Path(__file__).parent / "results"
 V3_BASE = dict(
@@ -53,28 +54,6 @@ V3_BASE = dict(
     hidden_act="gelu",
     pad_token_id=0,
 )
-
-
-VECTOR_FLAGS = ("avx2", "avx512", "amx", "avx_vnni", "fma", "neon", "asimd", "sve")
-
-
-def processor() -> str:
-    """The processor model and its vector extensions (avx2, avx512*, amx*, ...) from /proc/cpuinfo: ratios
-    depend on them (BERT's fused SDPA gains more from AVX-512 than our bias building does)."""
-    model, flags = platform.processor() or platform.machine(), []
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                name, _, value = line.partition(":")
-                if name.strip() == "model name" and value.strip():
-                    model = value.strip()
-                elif name.strip() in ("flags", "Features") and not flags:
-                    flags = sorted(f for f in value.split() if f.startswith(VECTOR_FLAGS))
-                if model != platform.machine() and flags:
-                    break
-    except OSError:  # not Linux: the model name alone
-        pass
-    return f"{model} [{' '.join(flags) or 'vector extensions unknown'}]"
 
 
 def build_bert(layers: int) -> transformers.BertModel:
@@ -309,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     report = {
         "command": "python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "processor": processor(),
+        "processor": machine.describe(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
         f" ({torch.get_num_threads()} threads), transformers {transformers.__version__}, {args.dtype}"
         + (f", {torch.cuda.get_device_name(args.device)}" if args.device.startswith("cuda") else ""),

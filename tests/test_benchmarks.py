@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from benchmarks import run
+from benchmarks import machine, run
 
 
 def test_quick_benchmark_reports_every_case_and_model(tmp_path):
@@ -25,17 +25,18 @@ def test_quick_benchmark_reports_every_case_and_model(tmp_path):
 
 
 def test_processor_names_the_model_and_its_vector_extensions(monkeypatch, tmp_path):
-    """The processor line reads the model name and only the vector flags from /proc/cpuinfo."""
+    """The processor line reads the model name and only the listed vector flags from /proc/cpuinfo."""
     cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("model name\t: Example Xeon\nflags\t\t: fpu sse avx2 avx512f avx512bw amx_tile vme\n")
+    cpuinfo.write_text("model name\t: Example Xeon\nflags\t\t: fpu sse avx2 avx512f avx512bw amx_int8 vme\n")
     real_open = open
     monkeypatch.setattr(
-        run,
+        machine,
         "open",
         lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path, *a, **k),
         raising=False,
     )
-    assert run.processor() == "Example Xeon [amx_tile avx2 avx512bw avx512f]"
+    assert machine.processor() == ("Example Xeon", ["avx2", "avx512f", "amx_int8"])
+    assert machine.describe().startswith("Example Xeon (avx2 avx512f amx_int8; torch uses ")
 
 
 def test_benchmark_memory_child_and_low_precision(tmp_path):
