@@ -135,6 +135,7 @@ class DisentangledConfig(PretrainedConfig):
         if len(set(pos_att_type)) != len(pos_att_type):
             raise ValueError(f"pos_att_type: duplicate entries in {pos_att_type}")
 
+        # A size of 0 is a config transformers accepts (its ConfigTester builds hidden_size=0): a model needs >= 1.
         for name, value in (
             ("vocab_size", vocab_size),
             ("hidden_size", hidden_size),
@@ -143,7 +144,7 @@ class DisentangledConfig(PretrainedConfig):
             ("intermediate_size", intermediate_size),
             ("max_position_embeddings", max_position_embeddings),
         ):
-            _require_positive_int(name, value)
+            _require_int(name, value, minimum=0)
         for name, value in (
             ("attention_head_size", attention_head_size),
             ("embedding_size", embedding_size),
@@ -231,6 +232,8 @@ class DisentangledConfig(PretrainedConfig):
         """The rules that tie fields together, checked when a model is built (`DisentangledModel.__init__`), not when
         a config is: configs are built in steps (`AutoConfig` then edits, `config.update`, hyper-parameter search),
         and transformers' own configs accept such intermediate states too. Raises a ValueError naming both fields."""
+        for name in MODEL_SIZES:  # 0 passes the config (as in transformers); a model needs at least 1
+            _require_int(name, getattr(self, name), minimum=1)
         if self.attention_head_size is None and self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
@@ -297,9 +300,24 @@ def _read_deberta_v2(config_dict: dict) -> dict:
     return config_dict
 
 
+MODEL_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+)
+
+
+def _require_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        allowed = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
 def _require_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    _require_int(name, value, minimum=1)
 
 
 __all__ = ["DisentangledConfig"]

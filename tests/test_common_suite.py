@@ -21,8 +21,8 @@ Not run, and why:
   tests/common_suite_fetch.py); tests/test_compile.py and tests/test_onnx_export.py export our models.
 - The tests in `UPSTREAM_FAILURES`, which transformers' own DeBERTa-v2 fails on the same transformers version, each
   with the reason: none on 5.24 (`DISENTANGLED_COMMON_SUITE_UPSTREAM=all` adds `TestUpstreamDebertaV2`, the same
-  suite and tester on transformers' DeBERTa-v2 classes, which is how that is known), and those in `DELIBERATE`, where
-  we differ from transformers on purpose, each with the reason.
+  suite and tester on transformers' DeBERTa-v2 classes, which is how that is known); none on 4.57 either. Nothing
+  else is skipped by hand.
 - Tests the mixin itself skips (no accelerator, flash attention, RoPE, MoE, deepspeed, ...): pytest lists them with
   transformers' reasons (`-rs`).
 
@@ -131,23 +131,12 @@ TESTERS = {
 UPSTREAM_FAILURES: dict[str, dict[str, str]] = {}
 
 
-# Where we differ from transformers' DeBERTa-v2 on purpose, by transformers version prefix: skipped, with the reason.
-DELIBERATE: dict[str, dict[str, str]] = {
-    "4.57.": {
-        "test_config": "transformers 4.57's ConfigTester builds DisentangledConfig(hidden_size=0); our config rejects a "
-        "non-positive size when it is built, by design (a single-field check, issue 13); 5.x's ConfigTester does not "
-        "probe it, and every other ConfigTester check passes there",
-    },
-}
-
-
 def upstream_failures() -> dict[str, str]:
     """The skips that apply to this transformers version, each with its reason."""
     skips = {}
-    for table, why in ((UPSTREAM_FAILURES, "transformers' DeBERTa-v2 fails it too: "), (DELIBERATE, "")):
-        for prefix, tests in table.items():
-            if VERSION.startswith(prefix):
-                skips.update({name: why + reason for name, reason in tests.items()})
+    for prefix, tests in UPSTREAM_FAILURES.items():
+        if VERSION.startswith(prefix):
+            skips.update({name: "transformers' DeBERTa-v2 fails it too: " + reason for name, reason in tests.items()})
     return skips
 
 

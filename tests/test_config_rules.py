@@ -91,8 +91,17 @@ def test_configs_built_in_steps_as_the_ecosystem_does():
 def test_a_single_bad_field_still_fails_in_the_config():
     with pytest.raises(ValueError, match="position_buckets must be an integer"):
         DisentangledConfig(position_buckets=4.5)
-    with pytest.raises(ValueError, match="hidden_size must be a positive integer"):
-        DisentangledConfig(hidden_size=0)
+    with pytest.raises(ValueError, match="hidden_size must be an integer >= 0"):
+        DisentangledConfig(hidden_size=-1)
+
+
+def test_a_zero_size_passes_the_config_and_fails_when_a_model_is_built():
+    """transformers 4.57's ConfigTester builds Config(hidden_size=0) (as DebertaV2Config accepts it): a model needs 1."""
+    for name in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
+        config = DisentangledConfig(**{name: 0})
+        assert getattr(config, name) == 0
+        with pytest.raises(ValueError, match=f"{name} must be a positive integer, got 0"):
+            disentangled.DisentangledModel(config)
 
 
 @pytest.mark.parametrize("head", ["Model", "ForMaskedLM", "ForSequenceClassification"])

@@ -97,7 +97,7 @@ def test_classification_losses_follow_problem_type(problem_type, labels, referen
     [
         (dict(pos_att_type=["c2p", "x2y"]), "pos_att_type"),
         (dict(pos_att_type="c2p|q2q"), "pos_att_type"),
-        (dict(hidden_size=0), "hidden_size"),
+        (dict(hidden_size=-2), "hidden_size"),
         (dict(num_hidden_layers=-1), "num_hidden_layers"),
         (dict(vocab_size=1.5), "vocab_size"),
         (dict(hidden_dropout_prob=1.5), "hidden_dropout_prob"),
