@@ -112,10 +112,12 @@ def training_arguments(args: argparse.Namespace):
 
 def read_model_config(path: str, option: str):
     """The config of a DeBERTa model folder / Hub id, as a `DisentangledConfig`; ValueError when it is not one."""
+    from transformers import PretrainedConfig
+
     from disentangled import DisentangledConfig
 
-    try:
-        config_dict, _ = DisentangledConfig.get_config_dict(path)
+    try:  # the raw dict: DisentangledConfig's own reading turns a deberta-v2 one into ours, model_type gone
+        config_dict, _ = PretrainedConfig.get_config_dict(path)
     except (OSError, ValueError) as error:
         raise ValueError(f"{option} {path}: no model config found ({error})") from error
     model_type = config_dict.get("model_type")
