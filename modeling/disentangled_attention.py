@@ -26,15 +26,16 @@ the backend needs them. Then:
 
 - eager (the reference) gathers the tables into a dense [B, H, L, L] bias with an [L, L] index;
 - sdpa builds the bias one block of query rows at a time and hands it to
-  `torch.nn.functional.scaled_dot_product_attention`. With the keys in reverse order (j' = L - 1 - j),
-  i - j + L - 1 = i + j', so the index of a block is a stride-(1, 1) view of the [2L - 1] column vector
-  (a Hankel matrix): no index tensor is built, and the gathers read memory in order. In inference the
-  tables themselves are built per block (c2p) and per group of sequences (p2c), so on the CPU they stay in
-  cache (`_attend_in_blocks`); keys beyond the buckets' reach (where the column stops changing) need no
-  dense bias at all: c2p is a constant of the row there and p2c a bias of the key, so those keys run as
-  plain attention, merged with the band by log-sum-exp (`_attend_near_and_far`). CPU training, where SDPA
-  would run its math path with a bias gradient, runs `BlockedAttention`: the same blocks, with a backward
-  that scatters dS straight into the two tables;
+  `torch.nn.functional.scaled_dot_product_attention`. In CPU inference (`_attend_by_distance`) the terms are
+  products with the relative rows by distance rather than by bucket, T = q Kr[δ(d)]ᵀ per block and
+  U = k Qr[δ(d)]ᵀ per group of sequences, so that a block's c2p and p2c are strided views of T and U (d = i - j
+  moves by one along a row or a column): one add makes the bias, no index is read per element. Keys beyond the
+  buckets' reach (where the column stops changing) need no dense bias at all: c2p is a constant of the row there
+  and p2c a bias of the key, so those keys run as two causal attentions shifted by the reach, merged with the band
+  by log-sum-exp. Elsewhere (training, accelerators, p2p) the keys go in reverse order (j' = L - 1 - j), so that
+  i - j + L - 1 = i + j' and the index of a block is a stride-(1, 1) view of the [2L - 1] column vector (a Hankel
+  matrix) that the gathers read in order. CPU training, where SDPA would run its math path with a bias gradient,
+  runs `BlockedAttention`: the same blocks, with a backward that scatters dS straight into the two tables;
 - flex_attention reads the tables inside a `score_mod`, so no [L, L] tensor exists at all.
 """
 
@@ -43,7 +44,7 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -104,6 +105,9 @@ class RelativePositions:
     # and `far_columns[1]` for every d >= near[1]. Python ints, so that reading them costs no device sync.
     near: tuple[int, int] = (0, 0)
     far_columns: tuple[int, int] = (0, 0)
+    # Buffers the layers of one forward reuse (sdpa's distance tables): a tensor above glibc's mmap threshold
+    # (32 MiB) is fresh memory on every allocation, and first touching its pages costs as much as computing it.
+    workspace: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, length: int, span: int, bucket_size: int, max_position: int, device) -> RelativePositions:
@@ -137,6 +141,7 @@ class RelativePositions:
             rows=self.rows,
             near=self.near,
             far_columns=self.far_columns,
+            workspace=self.workspace,
         )
 
     def distance(self, rows: slice = slice(None)) -> Tensor:
@@ -284,7 +289,6 @@ def sdpa_disentangled(
     """
     batch, heads, length, _ = query.shape
     on_cpu = query.device.type == "cpu"
-    block_elements = block_elements or (SDPA_BLOCK_ELEMENTS if on_cpu else SDPA_BLOCK_ELEMENTS_ACCELERATOR)
     if position_scores is None or is_tracing():  # one dense bias: a graph compile and export can follow
         bias = position_scores.bias().to(query.dtype) if position_scores is not None else None
         if attention_mask is not None:  # finfo.min, not -inf: a fully masked row is uniform, as in eager
@@ -296,23 +300,16 @@ def sdpa_disentangled(
             context = context.clone(memory_format=torch.contiguous_format)
         return context, None
 
-    key, value = key.flip(-2), value.flip(-2)  # j' = L - 1 - j
-    mask = attention_mask.flip(-1) if attention_mask is not None else None
     tensors = (query, key, value, position_scores.pos_key, position_scores.pos_query)
     inference = not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+    if on_cpu and inference and dropout == 0 and position_scores.p2p is None:
+        block_elements = block_elements or DISTANCE_BLOCK_ELEMENTS
+        context = _attend_by_distance(position_scores, query, key, value, attention_mask, scaling, block_elements)
+        return context, None
+    block_elements = block_elements or (SDPA_BLOCK_ELEMENTS if on_cpu else SDPA_BLOCK_ELEMENTS_ACCELERATOR)
+    key, value = key.flip(-2), value.flip(-2)  # j' = L - 1 - j
+    mask = attention_mask.flip(-1) if attention_mask is not None else None
     positions = position_scores.positions
-    split = on_cpu and CPU_FLASH_WITH_LSE and inference and dropout == 0  # the CPU flash kernel gives the LSE
-    if split and position_scores.p2p is None and (mask is None or mask.shape[-2] == 1):
-        near_width = min(length, positions.near[1] - positions.near[0] + 1)
-        if near_width < length:  # keys beyond the buckets' reach in both directions: attention in three parts
-            p2c_rows = p2c_by_row(key, position_scores.pos_query)
-            step = max(1, min(length, block_elements // max(1, batch * heads * near_width)))
-            blocks = [
-                _attend_near_and_far(position_scores, p2c_rows, query, key, value, mask, scaling, first, step)
-                for first in range(0, length, step)
-            ]
-            context = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
-            return context.transpose(1, 2), None
     if not inference and on_cpu and position_scores.p2p is None:  # CPU training
         c2p, p2c = position_scores.c2p, position_table(key, position_scores.pos_query)  # p2c of the reversed keys
         context = BlockedAttention.apply(query, key, value, c2p, p2c, mask, positions, scaling, dropout, block_elements)
@@ -493,63 +490,235 @@ class BlockedAttention(torch.autograd.Function):
         return grad_query, grad_key, grad_value, grad_c2p, grad_p2c, None, None, None, None, None
 
 
-def _attend_near_and_far(
+# Bias elements per block of the CPU inference path (4 MiB in float32; the fastest of 2^19 ... 2^21 at 8x128
+# to 1x4096 on an AVX-512 Xeon: bias and tables stay in cache)
+DISTANCE_BLOCK_ELEMENTS = 1 << 20
+DISTANCE_MIN_ROWS = 192  # query rows per block at least (see `_attend_by_distance`)
+# Elements of the p2c-by-distance table held at a time on the CPU (a chunk of keys against the distances the
+# band reads; 128 MiB in float32): whole up to a few thousand tokens, computed in chunks of keys beyond.
+DISTANCE_TABLE_ELEMENTS = 1 << 25
+
+
+def _skewed(table: Tensor, offset: int, row_step: int, column_step: int, shape: tuple[int, int]) -> Tensor:
+    """A [g, H, rows, columns] view of a [g, H, x, y] table: element (a, b) of each (g, H) slice is
+    `offset + a * row_step + b * column_step` elements after that slice's first element."""
+    strides = (table.stride(0), table.stride(1), row_step, column_step)
+    return table.as_strided((*table.shape[:2], *shape), strides, table.storage_offset() + offset)
+
+
+def _attend_by_distance(
     position_scores: PositionScores,
-    p2c_rows: Tensor | None,
     query: Tensor,
     key: Tensor,
     value: Tensor,
     mask: Tensor | None,
     scaling: float,
-    first: int,
-    step: int,
+    block_elements: int,
 ) -> Tensor:
-    """Query rows [first, first + step) against reversed keys, in up to three parts merged by log-sum-exp.
+    """CPU inference: the position terms read from tables by distance, so that a block's bias is a view, not a gather.
 
-    Keys far enough left of every row (i - j >= near[1]) all read the same column, so there c2p is a constant
-    of the row and p2c a bias of the key only: plain attention with a [B, H, 1, keys] bias, the row constant
-    added to its log-sum-exp. The same holds far right (i - j <= near[0]). Only the keys in between, a band
-    about as wide as the buckets' reach, get a dense [B, H, rows, band] bias. Inference only: the
-    log-sum-exp output of the CPU flash kernel has no gradient.
+    For query rows [first, last) against keys [k0, k1), the distances d = i - j cover an interval of
+    (rows + keys - 1) values, so each term is a product with the relative rows of those distances, and its bias
+    is a strided view of the product (no index is read per element):
+
+      c2p[i, j] = q_i . Kr[δ(i - j)] = T[i, high - (i - j)],  T = q_rows [Kr[δ(high)], ..., Kr[δ(low)]]ᵀ
+      p2c[i, j] = k_j . Qr[δ(i - j)] = U[j, (i - j) - low],   U = k [Qr[δ(low)], ..., Qr[δ(high)]]ᵀ
+
+    One add of the two views makes a block's bias; U is computed once per group of sequences (in chunks of keys
+    for long inputs), and a padded key's row of U, filled with the dtype's minimum, masks it.
+
+    Distances beyond the buckets' reach (d <= near[0] or d >= near[1]) all read one column, so there c2p is a
+    constant of the row and p2c a bias of the key: those keys run as two plain attentions over the whole input
+    (keys j <= i - near[1] are a causal mask shifted by near[1]; keys j >= i - near[0] the same with rows and keys
+    reversed), and only the band near[0] < d < near[1] gets a dense bias, -inf outside it (in U's columns, or T's).
+    The three parts are merged by log-sum-exp, which the CPU flash kernel returns. Returns [B, L, H, D].
     """
-    positions = position_scores.positions
-    length, last = positions.length, min(first + step, positions.length)
-    c2p_rows = position_table(query[:, :, first:last], position_scores.pos_key)  # c2p of these rows: q_i . Kr[r]
-    (near_low, near_high), (far_low, far_high) = positions.near, positions.far_columns
-    left_end = min(length, max(0, first - near_high + 1))  # natural keys [0, left_end): i - j >= near[1]
-    right_start = max(left_end, min(length, last - 1 - near_low))  # natural keys [right_start, L): i - j <= near[0]
-    # In reversed order (j' = L - 1 - j): far right first, the band, then far left.
-    parts = []
-    for keys, column in (
-        (slice(0, length - right_start), far_low),
-        (slice(length - right_start, length - left_end), None),
-        (slice(length - left_end, length), far_high),
-    ):
-        if keys.stop <= keys.start:
-            continue
-        row_constant = 0.0
-        if column is None:  # the band: dense bias
-            batch_heads = query.shape[:2]
-            bias = _block_bias(positions, c2p_rows, p2c_rows, None, first, last, batch_heads, keys).to(query.dtype)
-        else:  # c2p is q_i . Kr[column] for every key here, p2c is k_j . Qr[column]
-            if c2p_rows is not None:
-                row_constant = c2p_rows[..., column].float()  # [B, H, rows]
-            if p2c_rows is not None:
-                # [B, H, 1, keys], contiguous: the CPU flash kernel copies a mask with strided keys into a whole
-                # [B, H, rows, keys] one
-                bias = p2c_rows[:, :, column, keys].unsqueeze(-2).to(query.dtype).contiguous()
+    batch, heads, length, dim = query.shape
+    positions, pos_key, pos_query = position_scores.positions, position_scores.pos_key, position_scores.pos_query
+    lowest = torch.finfo(query.dtype).min
+    key_mask = mask is not None and mask.shape[-2] == 1
+    near_low, near_high = positions.near
+    split = CPU_FLASH_WITH_LSE and (mask is None or key_mask) and near_high - near_low + 1 < length
+    if not split:  # every distance is in the band
+        near_low, near_high = -length, length
+    width = min(length, near_high - near_low - 1)  # keys of a row in the band
+    groups = -(-batch // max(1, block_elements // (heads * length * width)))  # sequences per block: balanced
+    group = -(-batch // groups)
+    step = max(1, min(length, block_elements // (group * heads * width)))
+    # The CPU flash kernel splits the queries of a call into tiles of 32 rows below 192 rows and of 64 from there
+    # on; each tile reads all its keys, so blocks of 192 rows or more take about a fifth less time per score.
+    step = max(step, min(length, DISTANCE_MIN_ROWS))
+    blocks = []  # (rows, band keys): keys j with near_low < i - j < near_high for some row i of the block
+    for first in range(0, length, step):
+        last = min(first + step, length)
+        blocks.append((slice(first, last), slice(max(0, first - near_high + 1), min(length, last - near_low))))
+    low = min(rows.start - keys.stop + 1 for rows, keys in blocks)  # the distances the bands read
+    high = max(rows.stop - 1 - keys.start for rows, keys in blocks)
+    # The masked keys' value in U: the dtype's minimum absorbs every term added to it (float16's would not).
+    fill_keys = key_mask and pos_query is not None and query.dtype != torch.float16
+    kr_descending = pos_key.index_select(-2, positions.column.flip(0)) if pos_key is not None else None
+    qr_ascending = None
+    if pos_query is not None:  # Qr by distance, ascending over [low, high]
+        middle = length - 1
+        qr_ascending = pos_query.index_select(-2, positions.column[low + middle : high + middle + 1])
+    band = slice(max(low, near_low + 1), min(high, near_high - 1))  # distances with a value in U (inclusive)
+    widest = max(keys.stop - keys.start for _, keys in blocks)
+    chunk_keys = min(length, max(2 * widest, DISTANCE_TABLE_ELEMENTS // (group * heads * (high - low + 1))))
+    context = query.new_empty(batch, length, heads, dim)
+    for start in range(0, batch, group):
+        sequences = slice(start, min(start + group, batch))
+        group_mask = mask[sequences] if mask is not None and mask.shape[0] > 1 else mask
+        group_query, group_key, group_value = query[sequences], key[sequences], value[sequences]
+        table, chunk = None, slice(0, 0)
+        band_parts = []
+        for rows, keys in blocks:
+            shape = (rows.stop - rows.start, keys.stop - keys.start)
+            bias = None
+            if pos_key is not None:  # c2p = T[a, (last - 1 - k0) - d], d = first + a - k0 - b
+                block_high, block_low = rows.stop - 1 - keys.start, rows.start - keys.stop + 1
+                relative = kr_descending[:, length - 1 - block_high : length - block_low]
+                table_c2p = torch.matmul(group_query[:, :, rows], relative.mT)
+                if split and pos_query is None:  # outside the band: the far parts have those keys
+                    table_c2p[..., : max(0, block_high - near_high + 1)] = float("-inf")
+                    table_c2p[..., table_c2p.shape[-1] - max(0, near_low - block_low + 1) :] = float("-inf")
+                row, column = table_c2p.stride(2), table_c2p.stride(3)
+                bias = _skewed(table_c2p, (shape[0] - 1) * column, row - column, column, shape)
+            if pos_query is not None:  # p2c = U[j - c0, d - low]
+                if keys.start < chunk.start or keys.stop > chunk.stop:
+                    chunk = slice(keys.start, min(length, keys.start + chunk_keys))
+                    table = _distance_table(group_key, qr_ascending, chunk, chunk_keys, low, band, positions)
+                    if fill_keys:  # in the band's columns only, so that the -inf outside it stays
+                        _fill_padded_keys(table[..., band.start - low : band.stop - low + 1], group_mask, chunk, lowest)
+                row, column = table.stride(2), table.stride(3)
+                offset = (keys.start - chunk.start) * row + (rows.start - keys.start - low) * column
+                p2c = _skewed(table, offset, column, row - column, shape)
+                bias = p2c.contiguous() if bias is None else bias + p2c
+            if group_mask is not None and not fill_keys:
+                bias = bias.masked_fill(~_block_mask(group_mask, slice(None), rows.start, rows.stop)[..., keys], lowest)
+            block_query = group_query[:, :, rows]
+            block_key, block_value = group_key[:, :, keys], group_value[:, :, keys]
+            if not split:
+                attended = F.scaled_dot_product_attention(
+                    block_query, block_key, block_value, attn_mask=bias, scale=scaling
+                )
+                context[sequences, rows] = attended.transpose(1, 2)
             else:
-                bias = query.new_zeros(1, 1, 1, keys.stop - keys.start)
+                band_parts.append(
+                    cpu_flash_attention(block_query, block_key, block_value, attn_mask=bias, scale=scaling)
+                )
+        if split:
+            band_context = torch.cat([part for part, _ in band_parts], dim=-2)
+            band_lse = torch.cat([lse for _, lse in band_parts], dim=-1)
+            context[sequences] = _merge_far_parts(
+                position_scores, group_query, group_key, group_value, group_mask, scaling, band_context, band_lse
+            ).transpose(1, 2)
+    if split and key_mask and not mask.all():  # a sequence of padding only: uniform attention, as in eager (the
+        # parts' log-sum-exps all round to the dtype's minimum, so merging them would not weigh them by their keys)
+        for sequence in (~mask.flatten(1).any(-1)).nonzero().flatten().tolist():
+            if mask.shape[0] > 1:
+                context[sequence] = value[sequence].mean(-2).unsqueeze(0)
+            else:
+                context[:] = value.mean(-2).unsqueeze(1)
+    return context
+
+
+def _distance_table(
+    key: Tensor, qr_ascending: Tensor, chunk: slice, rows: int, low: int, band: slice, positions: RelativePositions
+) -> Tensor:
+    """U for keys `chunk`: U[j, d - low] = k_j . Qr[δ(d)], [g, H, keys, high - low + 1], in a buffer of `rows` keys
+    that the layers of a forward share (`RelativePositions.workspace`).
+
+    Key j is read only at the distances of real rows, -j <= d <= L - 1 - j, so only those are computed (a
+    parallelogram, in bands of keys); the columns of distances outside `band` (inclusive) are -inf: there the
+    far parts hold the keys."""
+    length = positions.length
+    shape = (*key.shape[:2], rows, qr_ascending.shape[-2])
+    name = ("distance table", shape, low, band.start, band.stop, key.dtype, key.device)
+    table = positions.workspace.get(name)
+    if table is None:
+        positions.workspace.clear()  # one table at a time
+        table = positions.workspace[name] = key.new_empty(shape)
+        table[..., : band.start - low] = float("-inf")
+        table[..., band.stop - low + 1 :] = float("-inf")
+    for first in range(chunk.start, chunk.stop, 128):
+        last = min(first + 128, chunk.stop)
+        columns = slice(max(band.start, -(last - 1)) - low, min(band.stop, length - 1 - first) - low + 1)
+        if columns.stop > columns.start:
+            out = table[:, :, first - chunk.start : last - chunk.start, columns]
+            torch.matmul(key[:, :, first:last], qr_ascending[:, columns].mT, out=out)
+    return table[:, :, : chunk.stop - chunk.start]
+
+
+def _fill_padded_keys(table: Tensor, mask: Tensor, chunk: slice, value: float) -> None:
+    """Rows of U of the keys the [g | 1, 1, 1, L] mask leaves out, filled with `value`."""
+    for sequence, padding in enumerate(~mask[:, 0, 0, chunk]):
+        padded = padding.nonzero().squeeze(-1)
+        if len(padded):
+            (table[sequence] if len(mask) > 1 else table.transpose(0, 1)).index_fill_(-2, padded, value)
+
+
+def _merge_far_parts(
+    position_scores: PositionScores,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None,
+    scaling: float,
+    band: Tensor,
+    band_lse: Tensor,
+) -> Tensor:
+    """The band's attention ([g, H, L, D], with its log-sum-exp) merged with the far keys' on both sides.
+
+    Far left (i - j >= near[1]) every key reads the highest column: c2p is the row constant q_i . Kr[column]
+    and p2c the key bias k_j . Qr[column], so those keys are one SDPA call with that bias and a causal mask
+    over rows [near[1], L) and keys [0, L - near[1]). Far right (i - j <= near[0]) is the same with rows and
+    keys reversed. Returns [g, H, L, D]."""
+    positions, pos_key, pos_query = position_scores.positions, position_scores.pos_key, position_scores.pos_query
+    length = query.shape[-2]
+    parts = []
+    for side, shift in (
+        (1, positions.near[1]),
+        (0, -positions.near[0]),
+    ):  # keys at least `shift` left / right of the row
+        if shift >= length:
+            continue
+        column = positions.far_columns[side]
+        key_bias = query.new_zeros(1, 1, length)
+        if pos_query is not None:
+            key_bias = torch.matmul(key, pos_query[:, column, :, None]).squeeze(-1)  # [g, H, L]: k_j . Qr[column]
         if mask is not None:
-            bias = bias.masked_fill(~mask[..., keys], torch.finfo(query.dtype).min)
-        context, log_sum_exp = cpu_flash_attention(
-            query[:, :, first:last], key[:, :, keys], value[:, :, keys], attn_mask=bias, scale=scaling
-        )
-        parts.append((context, log_sum_exp + row_constant))
-    if len(parts) == 1:
-        return parts[0][0]
-    total = torch.logsumexp(torch.stack([log_sum_exp for _, log_sum_exp in parts]), dim=0)
-    return sum(context * (log_sum_exp - total).exp().unsqueeze(-1).to(context.dtype) for context, log_sum_exp in parts)
+            key_bias = key_bias.masked_fill(~mask[:, 0], torch.finfo(query.dtype).min)
+        if side == 1:  # rows [shift, L) against keys [0, L - shift), causal
+            rows, kept = slice(shift, length), slice(0, length - shift)
+            part, lse = cpu_flash_attention(
+                query[:, :, rows],
+                key[:, :, kept],
+                value[:, :, kept],
+                is_causal=True,
+                attn_mask=key_bias[..., kept].unsqueeze(-2),
+                scale=scaling,
+            )
+        else:  # rows [0, L - shift) against keys [shift, L): causal once both are reversed
+            rows, kept = slice(0, length - shift), slice(shift, length)
+            part, lse = cpu_flash_attention(
+                query[:, :, rows].flip(-2),
+                key[:, :, kept].flip(-2),
+                value[:, :, kept].flip(-2),
+                is_causal=True,
+                attn_mask=key_bias[..., kept].flip(-1).unsqueeze(-2),
+                scale=scaling,
+            )
+            part, lse = part.flip(-2), lse.flip(-1)
+        if pos_key is not None:  # the row constant q_i . Kr[column]
+            lse = lse + torch.matmul(query[:, :, rows], pos_key[:, column, :, None]).squeeze(-1).float()
+        parts.append((part, lse, rows))
+    total = band_lse.clone()
+    for _, lse, rows in parts:
+        total[..., rows] = torch.logaddexp(total[..., rows], lse)
+    merged = band * (band_lse - total).exp().unsqueeze(-1).to(band.dtype)
+    for part, lse, rows in parts:
+        merged[..., rows, :] += part * (lse - total[..., rows]).exp().unsqueeze(-1).to(part.dtype)
+    return merged
 
 
 _compiled_flex = None

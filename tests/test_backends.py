@@ -59,6 +59,8 @@ def with_implementation(model, implementation: str):
 @pytest.fixture(autouse=True)
 def small_sdpa_blocks(monkeypatch):
     monkeypatch.setattr(backends, "SDPA_BLOCK_ELEMENTS", 3 * 4 * 40 * 7)  # 7 query rows per block
+    monkeypatch.setattr(backends, "DISTANCE_BLOCK_ELEMENTS", 3 * 4 * 40 * 7)
+    monkeypatch.setattr(backends, "DISTANCE_MIN_ROWS", 1)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -225,6 +227,30 @@ def test_sdpa_inference_beyond_the_buckets_reach_matches_eager(variant):
         actual = sdpa(**batch).last_hidden_state
     assert sdpa.encoder.get_rel_index(150, "cpu").near[1] < 100  # the far parts are exercised
     assert max_abs_diff(actual, expected, batch["attention_mask"]) <= 1e-5 * max(1.0, expected.abs().max().item())
+
+
+@pytest.mark.parametrize("variant", ["v3", "clipped-distances", "c2p-only", "p2c-only"])
+@pytest.mark.parametrize("block_elements", [None, 1 << 20])  # the fixture's 7-row blocks, or whole groups
+def test_sdpa_inference_by_distance_matches_eager_at_every_position(monkeypatch, variant, block_elements):
+    """CPU inference reads the position terms as strided views of tables by distance: padded keys are masked
+    through rows of the p2c table (the dtype's minimum), keys outside the band through -inf columns, and the far
+    keys run as shifted causal attention. Every position matches eager, padding included: right- and left-padded
+    rows, a row of padding only (uniform attention, as in eager), several sequences per block, lengths within and
+    beyond the buckets' reach."""
+    if block_elements:
+        monkeypatch.setattr(backends, "DISTANCE_BLOCK_ELEMENTS", block_elements)
+    reference = build("eager", **VARIANTS[variant])
+    sdpa = with_implementation(reference, "sdpa")
+    for lengths in ([40, 23, 31], [150, 97]):
+        batch = padded_batch(100, [*lengths, 0])
+        longest = max(lengths)
+        for name in ("input_ids", "attention_mask"):  # the second row padded on the left
+            batch[name][1] = batch[name][1].roll(longest - lengths[1])
+        with torch.no_grad():
+            expected = reference(**batch).last_hidden_state
+            actual = sdpa(**batch).last_hidden_state
+        assert torch.isfinite(actual).all()
+        assert max_abs_diff(actual, expected) <= 1e-5 * max(1.0, expected.abs().max().item()), lengths
 
 
 @pytest.mark.skipif(not backends.CPU_FLASH_WITH_LSE, reason="the near/far split needs the CPU flash kernel's LSE")

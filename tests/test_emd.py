@@ -201,6 +201,8 @@ def test_backends_match_eager_with_a_separate_query_stream(monkeypatch, config_n
     """The query stream reaches every backend as projected queries: sdpa (several query blocks, and the blocked
     autograd path on the CPU with gradients) and flex's score_mod must match eager."""
     monkeypatch.setattr(backends, "SDPA_BLOCK_ELEMENTS", 2 * 4 * 40 * 7)  # 7 query rows per block
+    monkeypatch.setattr(backends, "DISTANCE_BLOCK_ELEMENTS", 2 * 4 * 40 * 7)
+    monkeypatch.setattr(backends, "DISTANCE_MIN_ROWS", 1)
     monkeypatch.setattr(backends, "FLEX_COMPILED", False)  # flex's dense reference of the same score_mod
     eager = build(**CONFIGS[config_name])
     batch = padded_batch(BASE["vocab_size"], [40, 23])
