@@ -535,6 +535,8 @@ def _attend_by_distance(
     """
     batch, heads, length, dim = query.shape
     positions, pos_key, pos_query = position_scores.positions, position_scores.pos_key, position_scores.pos_query
+    # in the query's dtype: under autocast the projections may be float32 (matmul's out= is not autocast)
+    pos_key, pos_query = (t.to(query.dtype) if t is not None else None for t in (pos_key, pos_query))
     lowest = torch.finfo(query.dtype).min
     key_mask = mask is not None and mask.shape[-2] == 1
     near_low, near_high = positions.near
@@ -674,6 +676,8 @@ def _merge_far_parts(
     over rows [near[1], L) and keys [0, L - near[1]). Far right (i - j <= near[0]) is the same with rows and
     keys reversed. Returns [g, H, L, D]."""
     positions, pos_key, pos_query = position_scores.positions, position_scores.pos_key, position_scores.pos_query
+    # in the query's dtype: under autocast the projections may be float32 (matmul's out= is not autocast)
+    pos_key, pos_query = (t.to(query.dtype) if t is not None else None for t in (pos_key, pos_query))
     length = query.shape[-2]
     parts = []
     for side, shift in (

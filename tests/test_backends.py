@@ -253,6 +253,21 @@ def test_sdpa_inference_by_distance_matches_eager_at_every_position(monkeypatch,
         assert max_abs_diff(actual, expected) <= 1e-5 * max(1.0, expected.abs().max().item()), lengths
 
 
+@pytest.mark.parametrize("variant", ["v3", "c2p-only"])
+def test_sdpa_inference_under_cpu_autocast_matches_eager(variant):
+    """Under bfloat16 autocast, queries and keys come out of the linear layers in bfloat16 while the cached relative
+    projections may be float32: the tables by distance take the queries' dtype (matmul's out= is not autocast),
+    as eager's products do under autocast."""
+    reference = build("eager", **VARIANTS[variant])
+    sdpa = with_implementation(reference, "sdpa")
+    batch = padded_batch(100, [150, 97])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference(**batch).last_hidden_state.float()
+        actual = sdpa(**batch).last_hidden_state.float()
+    assert torch.isfinite(actual).all()
+    assert max_abs_diff(actual, expected, batch["attention_mask"]) <= 6e-2 * max(1.0, expected.abs().max().item())
+
+
 @pytest.mark.skipif(not backends.CPU_FLASH_WITH_LSE, reason="the near/far split needs the CPU flash kernel's LSE")
 @pytest.mark.parametrize("padded", [False, True])
 def test_far_parts_hand_the_flash_kernel_masks_it_reads_in_place(monkeypatch, padded):
