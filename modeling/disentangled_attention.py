@@ -579,7 +579,9 @@ def _attend_by_distance(
             if pos_key is not None:  # c2p = T[a, (last - 1 - k0) - d], d = first + a - k0 - b
                 block_high, block_low = rows.stop - 1 - keys.start, rows.start - keys.stop + 1
                 relative = kr_descending[:, length - 1 - block_high : length - block_low]
-                table_c2p = torch.matmul(group_query[:, :, rows], relative.mT)
+                product_shape = (heads, shape[0] * (sequences.stop - sequences.start), relative.shape[-2])
+                product = _scratch(positions, "c2p", product_shape, query)
+                table_c2p = _by_head(group_query[:, :, rows], relative, out=product)
                 if split and pos_query is None:  # outside the band: the far parts have those keys
                     table_c2p[..., : max(0, block_high - near_high + 1)] = float("-inf")
                     table_c2p[..., table_c2p.shape[-1] - max(0, near_low - block_low + 1) :] = float("-inf")
@@ -594,7 +596,8 @@ def _attend_by_distance(
                 row, column = table.stride(2), table.stride(3)
                 offset = (keys.start - chunk.start) * row + (rows.start - keys.start - low) * column
                 p2c = _skewed(table, offset, column, row - column, shape)
-                bias = p2c.contiguous() if bias is None else bias + p2c
+                out = _scratch(positions, "bias", p2c.shape, query)
+                bias = out.copy_(p2c) if bias is None else torch.add(bias, p2c, out=out)
             if group_mask is not None and not fill_keys:
                 bias = bias.masked_fill(~_block_mask(group_mask, slice(None), rows.start, rows.stop)[..., keys], lowest)
             block_query = group_query[:, :, rows]
@@ -624,31 +627,56 @@ def _attend_by_distance(
     return context
 
 
+def _scratch(positions: RelativePositions, kind: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """A contiguous tensor of `shape` from a buffer of the forward's workspace that only grows (a fresh allocation
+    above glibc's mmap threshold costs page faults on every call; blocks and layers reuse this one)."""
+    count = math.prod(shape)
+    buffer = positions.workspace.get(kind)
+    if buffer is None or buffer.numel() < count or buffer.dtype != like.dtype or buffer.device != like.device:
+        buffer = positions.workspace[kind] = like.new_empty(count)
+    return buffer[:count].view(shape)
+
+
+def _by_head(rows: Tensor, relative: Tensor, out: Tensor | None = None) -> Tensor:
+    """rows [g, H, n, D] against relative [H, E, D]: [g, H, n, E], one [g * n, D] x [D, E] product per head (a
+    broadcast matmul would copy `relative` g times). `out`, if given, is [H, g * n, E] (a view is fine)."""
+    groups, heads, count, dim = rows.shape
+    flat = rows.transpose(0, 1).reshape(heads, groups * count, dim)  # a view when g = 1
+    product = torch.bmm(flat, relative.mT, out=out)
+    return product.view(heads, groups, count, -1).transpose(0, 1)
+
+
 def _distance_table(
     key: Tensor, qr_ascending: Tensor, chunk: slice, rows: int, low: int, band: slice, positions: RelativePositions
 ) -> Tensor:
     """U for keys `chunk`: U[j, d - low] = k_j . Qr[δ(d)], [g, H, keys, high - low + 1], in a buffer of `rows` keys
-    that the layers of a forward share (`RelativePositions.workspace`).
+    that the layers of a forward share (`RelativePositions.workspace`), laid out head first.
 
-    Key j is read only at the distances of real rows, -j <= d <= L - 1 - j, so only those are computed (a
-    parallelogram, in bands of keys); the columns of distances outside `band` (inclusive) are -inf: there the
-    far parts hold the keys."""
-    length = positions.length
-    shape = (*key.shape[:2], rows, qr_ascending.shape[-2])
+    For one sequence, key j is read only at the distances of real rows, -j <= d <= L - 1 - j, so only those are
+    computed (a parallelogram, in bands of keys); a group of short sequences is one product per head. The
+    columns of distances outside `band` (inclusive) are -inf: there the far parts hold the keys."""
+    length, (groups, heads, _, _) = positions.length, key.shape
+    shape = (heads, groups, rows, qr_ascending.shape[-2])
     name = ("distance table", shape, low, band.start, band.stop, key.dtype, key.device)
-    table = positions.workspace.get(name)
-    if table is None:
-        positions.workspace.clear()  # one table at a time
-        table = positions.workspace[name] = key.new_empty(shape)
+    held_name, table = positions.workspace.get("distance table", (None, None))
+    if held_name != name:  # one table at a time
+        table = key.new_empty(shape)
+        positions.workspace["distance table"] = (name, table)
         table[..., : band.start - low] = float("-inf")
         table[..., band.stop - low + 1 :] = float("-inf")
-    for first in range(chunk.start, chunk.stop, 128):
-        last = min(first + 128, chunk.stop)
-        columns = slice(max(band.start, -(last - 1)) - low, min(band.stop, length - 1 - first) - low + 1)
-        if columns.stop > columns.start:
-            out = table[:, :, first - chunk.start : last - chunk.start, columns]
-            torch.matmul(key[:, :, first:last], qr_ascending[:, columns].mT, out=out)
-    return table[:, :, : chunk.stop - chunk.start]
+    keys = chunk.stop - chunk.start
+    if groups > 1 and keys == rows:  # the whole table: every distance of every key
+        columns = slice(band.start - low, band.stop - low + 1)
+        _by_head(key[:, :, chunk], qr_ascending[:, columns], out=table.view(heads, groups * rows, -1)[..., columns])
+    else:
+        for first in range(chunk.start, chunk.stop, 512):
+            last = min(first + 512, chunk.stop)
+            columns = slice(max(band.start, -(last - 1)) - low, min(band.stop, length - 1 - first) - low + 1)
+            if columns.stop > columns.start:
+                for sequence in range(groups):
+                    out = table[:, sequence, first - chunk.start : last - chunk.start, columns]
+                    torch.bmm(key[sequence, :, first:last], qr_ascending[:, columns].mT, out=out)
+    return table.transpose(0, 1)[:, :, :keys]
 
 
 def _fill_padded_keys(table: Tensor, mask: Tensor, chunk: slice, value: float) -> None:
