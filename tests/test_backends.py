@@ -340,9 +340,9 @@ def test_blocked_attention_matches_the_dense_formula():
         torch.manual_seed(3)
         actual = backends.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, 2 * 3 * 20 * 7)
         dropout_keep = None
-        if dropout:  # the same draws: one bernoulli_ over the whole [B, H, L, L] when one block holds it all
+        if dropout:  # the same draws: one uniform draw over the whole [B, H, L, L] when one block holds it all
             torch.manual_seed(3)
-            dropout_keep = torch.empty(2, 3, 20, 20, dtype=torch.bool).bernoulli_(1 - dropout)
+            dropout_keep = torch.rand(2, 3, 20, 20) < 1 - dropout
             torch.manual_seed(3)
             actual = backends.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, None)
         expected = reference_attention(*tensors, keep, positions, 0.3, dropout_keep, dropout)
