@@ -105,8 +105,8 @@ class RelativePositions:
     # and `far_columns[1]` for every d >= near[1]. Python ints, so that reading them costs no device sync.
     near: tuple[int, int] = (0, 0)
     far_columns: tuple[int, int] = (0, 0)
-    # Buffers the layers of one forward reuse (sdpa's distance tables): a tensor above glibc's mmap threshold
-    # (32 MiB) is fresh memory on every allocation, and first touching its pages costs as much as computing it.
+    # Buffers that the blocks and layers of one forward reuse (sdpa's CPU inference: T, U and the bias): a tensor
+    # above glibc's mmap threshold (32 MiB) is fresh memory on every allocation, whose pages fault on first touch.
     workspace: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -493,8 +493,8 @@ class BlockedAttention(torch.autograd.Function):
         return grad_query, grad_key, grad_value, grad_c2p, grad_p2c, None, None, None, None, None
 
 
-# Bias elements per block of the CPU inference path (4 MiB in float32; the fastest of 2^19 ... 2^21 at 8x128
-# to 1x4096 on an AVX-512 Xeon: bias and tables stay in cache)
+# Bias elements per block of the CPU inference path (4 MiB in float32, so that bias and T stay in cache; 2^19 to
+# 2^21 timed alike within the noise of a shared AVX-512 Xeon)
 DISTANCE_BLOCK_ELEMENTS = 1 << 20
 DISTANCE_MIN_ROWS = 192  # query rows per block at least (see `_attend_by_distance`)
 # Elements of the p2c-by-distance table held at a time on the CPU (a chunk of keys against the distances the
@@ -551,7 +551,7 @@ def _attend_by_distance(
     group = -(-batch // groups)
     step = max(1, min(length, block_elements // (group * heads * width)))
     # The CPU flash kernel splits the queries of a call into tiles of 32 rows below 192 rows and of 64 from there
-    # on; each tile reads all its keys, so blocks of 192 rows or more take about a fifth less time per score.
+    # on; each tile reads all its keys, so blocks of 192 rows or more read the keys half as often.
     step = max(step, min(length, DISTANCE_MIN_ROWS))
     blocks = []  # (rows, band keys): keys j with near_low < i - j < near_high for some row i of the block
     for first in range(0, length, step):
@@ -617,8 +617,9 @@ def _attend_by_distance(
         if split:
             band_context = torch.cat([part for part, _ in band_parts], dim=-2)
             band_lse = torch.cat([lse for _, lse in band_parts], dim=-1)
+            far = (positions, pos_key, pos_query)
             context[sequences] = _merge_far_parts(
-                position_scores, group_query, group_key, group_value, group_mask, scaling, band_context, band_lse
+                far, group_query, group_key, group_value, group_mask, scaling, band_context, band_lse
             ).transpose(1, 2)
     if split and key_mask and not mask.all():  # a sequence of padding only: uniform attention, as in eager (the
         # parts' log-sum-exps all round to the dtype's minimum, so merging them would not weigh them by their keys)
@@ -691,7 +692,7 @@ def _fill_padded_keys(table: Tensor, mask: Tensor, chunk: slice, value: float) -
 
 
 def _merge_far_parts(
-    position_scores: PositionScores,
+    far: tuple[RelativePositions, Tensor | None, Tensor | None],
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -705,16 +706,11 @@ def _merge_far_parts(
     Far left (i - j >= near[1]) every key reads the highest column: c2p is the row constant q_i . Kr[column]
     and p2c the key bias k_j . Qr[column], so those keys are one SDPA call with that bias and a causal mask
     over rows [near[1], L) and keys [0, L - near[1]). Far right (i - j <= near[0]) is the same with rows and
-    keys reversed. Returns [g, H, L, D]."""
-    positions, pos_key, pos_query = position_scores.positions, position_scores.pos_key, position_scores.pos_query
-    # in the query's dtype: under autocast the projections may be float32 (matmul's out= is not autocast)
-    pos_key, pos_query = (t.to(query.dtype) if t is not None else None for t in (pos_key, pos_query))
+    keys reversed. `far` is (positions, Kr, Qr), the projected rows in the queries' dtype. Returns [g, H, L, D]."""
+    positions, pos_key, pos_query = far
     length = query.shape[-2]
     parts = []
-    for side, shift in (
-        (1, positions.near[1]),
-        (0, -positions.near[0]),
-    ):  # keys at least `shift` left / right of the row
+    for side, shift in ((1, positions.near[1]), (0, -positions.near[0])):  # keys `shift` or more left / right
         if shift >= length:
             continue
         column = positions.far_columns[side]
@@ -723,26 +719,14 @@ def _merge_far_parts(
             key_bias = torch.matmul(key, pos_query[:, column, :, None]).squeeze(-1)  # [g, H, L]: k_j . Qr[column]
         if mask is not None:
             key_bias = key_bias.masked_fill(~mask[:, 0], torch.finfo(query.dtype).min)
-        if side == 1:  # rows [shift, L) against keys [0, L - shift), causal
-            rows, kept = slice(shift, length), slice(0, length - shift)
-            part, lse = cpu_flash_attention(
-                query[:, :, rows],
-                key[:, :, kept],
-                value[:, :, kept],
-                is_causal=True,
-                attn_mask=key_bias[..., kept].unsqueeze(-2),
-                scale=scaling,
-            )
-        else:  # rows [0, L - shift) against keys [shift, L): causal once both are reversed
-            rows, kept = slice(0, length - shift), slice(shift, length)
-            part, lse = cpu_flash_attention(
-                query[:, :, rows].flip(-2),
-                key[:, :, kept].flip(-2),
-                value[:, :, kept].flip(-2),
-                is_causal=True,
-                attn_mask=key_bias[..., kept].flip(-1).unsqueeze(-2),
-                scale=scaling,
-            )
+        far_left = side == 1  # rows [shift, L) against keys [0, L - shift): a causal mask
+        rows = slice(shift, length) if far_left else slice(0, length - shift)
+        kept = slice(0, length - shift) if far_left else slice(shift, length)
+        q, k, v, bias = query[:, :, rows], key[:, :, kept], value[:, :, kept], key_bias[..., kept].unsqueeze(-2)
+        if not far_left:  # rows [0, L - shift) against keys [shift, L): causal once both are reversed
+            q, k, v, bias = q.flip(-2), k.flip(-2), v.flip(-2), bias.flip(-1)
+        part, lse = cpu_flash_attention(q, k, v, is_causal=True, attn_mask=bias, scale=scaling)
+        if not far_left:
             part, lse = part.flip(-2), lse.flip(-1)
         if pos_key is not None:  # the row constant q_i . Kr[column]
             lse = lse + torch.matmul(query[:, :, rows], pos_key[:, column, :, None]).squeeze(-1).float()
