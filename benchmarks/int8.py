@@ -4,7 +4,8 @@
     python -m benchmarks.int8 --quick      # a smoke test: small model, few steps, one timing shape
 
 Speed (DeBERTa-v3-base shape, random weights, `--layers` layers, interleaved medians, one call of each per
-round): our float32 PyTorch model (sdpa) against torch's dynamic int8 (`disentangled.quantize_dynamic`),
+round): our float32 PyTorch model (sdpa) against torch's dynamic int8 (`disentangled.quantize_dynamic`, with its
+default engine, and with torch's own default engine x86 as `ours-torch-int8-x86`),
 onnxruntime float32 (`export-onnx`) and onnxruntime int8 (`export-onnx --quantize int8`), and a same-size BERT
 with sdpa in float32. onnxruntime runs with as many threads as torch, thread spinning off (spinning threads
 would take the cores from the next model in the round).
@@ -34,12 +35,21 @@ import transformers
 import disentangled
 from benchmarks import machine
 from benchmarks.run import V3_BASE, build_models, inputs_for
-from disentangled import onnx_export
+from disentangled import onnx_export, quantization
 from disentangled.data import corpus_lines, sentiment_examples, train_sentencepiece
 from disentangled.tokenization import tokenizer_from_spm
 
 RESULTS = Path(__file__).parent / "results"
-PATHS = ["ours-float32", "ours-torch-int8", "onnxruntime-float32", "onnxruntime-int8", "bert-sdpa"]
+PATHS = [
+    "ours-float32",
+    "ours-torch-int8",
+    "ours-torch-int8-x86",
+    "onnxruntime-float32",
+    "onnxruntime-int8",
+    "bert-sdpa",
+]
+# torch's default quantized engine, for comparison with ours (oneDNN where the CPU has AMX: `default_engine`)
+TORCH_ENGINE = "x86" if "x86" in torch.backends.quantized.supported_engines else torch.backends.quantized.engine
 SMALL = dict(hidden_size=256, num_attention_heads=4, intermediate_size=1024)  # v3-base-like, narrower: trains fast
 
 
@@ -85,6 +95,9 @@ def timing(layers: int, shapes: list[tuple[int, int]], repeats: int, threads: in
     runners = {
         "ours-float32": torch_runner(ours, "last_hidden_state"),
         "ours-torch-int8": torch_runner(disentangled.quantize_dynamic(ours), "last_hidden_state"),
+        "ours-torch-int8-x86": torch_runner(
+            disentangled.quantize_dynamic(ours, engine=TORCH_ENGINE), "last_hidden_state"
+        ),
         **{
             name: onnx_runner(session, "last_hidden_state")
             for name, session in onnx_pair(ours, "base", folder, threads).items()
@@ -358,7 +371,10 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "command": "python -m benchmarks.int8 " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine.describe(),
-        "versions": f"onnxruntime {onnx_export.onnxruntime_version()}, transformers {transformers.__version__}",
+        "versions": (
+            f"onnxruntime {onnx_export.onnxruntime_version()}, transformers {transformers.__version__}, "
+            f"torch int8 engine {quantization.default_engine()} (ours-torch-int8-x86: {TORCH_ENGINE})"
+        ),
     }
     print(report["machine"], flush=True)
     if args.profile:

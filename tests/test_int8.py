@@ -66,9 +66,15 @@ def test_trained_classifier_is_better_than_chance(trained):
     assert accuracy > 0.8, accuracy
 
 
-def test_torch_quantize_dynamic_keeps_predictions(trained):
+ENGINES = [None] + [name for name in ("fbgemm", "onednn") if name in torch.backends.quantized.supported_engines]
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=lambda name: name or "default")
+def test_torch_quantize_dynamic_keeps_predictions(trained, engine):
     model, _, (inputs, _) = trained
-    quantized = disentangled.quantize_dynamic(model)
+    global_engine = torch.backends.quantized.engine
+    quantized = disentangled.quantize_dynamic(model, engine=engine)
+    assert torch.backends.quantized.engine == global_engine  # packed with `engine`, torch's setting left alone
     linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
     replaced = dict(quantized.named_modules())
     assert linears and all(replaced[name]._get_name() == "DynamicQuantizedLinear" for name in linears)
@@ -89,6 +95,18 @@ def test_quantize_dynamic_rejects_what_it_cannot_quantize(trained):
         disentangled.quantize_dynamic(disentangled.DisentangledModel(model.config).to(torch.bfloat16))
     with pytest.raises(ValueError, match="nn.Module"):
         disentangled.quantize_dynamic(model.state_dict())
+    with pytest.raises(ValueError, match="engine 'tpu'.*use one of"):
+        disentangled.quantize_dynamic(model, engine="tpu")
+
+
+def test_default_engine_is_onednn_only_where_the_cpu_has_amx(monkeypatch):
+    from disentangled import quantization
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    expected = "onednn" if "onednn" in torch.backends.quantized.supported_engines else torch.backends.quantized.engine
+    assert quantization.default_engine() == expected
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert quantization.default_engine() == torch.backends.quantized.engine
 
 
 @pytest.fixture(scope="module")
