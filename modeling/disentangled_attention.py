@@ -425,38 +425,43 @@ class BlockedAttention(torch.autograd.Function):
     For training on the CPU, where SDPA with a bias that needs a gradient runs its math path. Inputs: query,
     reversed key and value [B, H, L, D], the c2p table and the p2c table of the reversed keys [B, H, L, W]
     (either may be None), a reversed bool mask [B, 1, 1 | L, L] or None. Returns the context [B, L, H, D].
-    The forward keeps the probabilities (and the dropout mask), as eager and SDPA's math path do; the backward
-    sends dS = P * (dP - rowsum(dO * O)) straight into the two tables with `scatter_add_` along the same Hankel
-    views the forward gathered with, block by block, so no other [B, H, L, L] tensor is made.
+    The forward keeps each block's probabilities (and dropout mask), as eager and SDPA's math path keep the
+    whole [B, H, L, L]; q . k is added to the gathered position terms by the product itself (`baddbmm_`). The
+    backward sends dS = P * (dP - rowsum(dO * O)) straight into the two tables with `scatter_add_` along the
+    same Hankel views the forward gathered with, block by block, so no other [B, H, L, L] tensor is made.
     """
 
     @staticmethod
     def forward(ctx, query, key, value, c2p, p2c, mask, positions, scaling, dropout, block_elements=None):
         batch, heads, length, dim = query.shape
         tiles = _tiles(query, block_elements or SDPA_BLOCK_ELEMENTS)
-        probs = query.new_empty(batch, heads, length, length)
-        keep = torch.empty(probs.shape, dtype=torch.bool, device=query.device) if dropout > 0 else None
+        probs, keeps = [], []  # per block: P, and where dropout keeps it
         context = query.new_empty(batch, length, heads, dim)
         with torch.autocast(query.device.type, enabled=False):  # the inputs already carry autocast's dtype
+            scaled_query = query * scaling  # scaled before q . k, as in eager: q . k itself can overflow float16
             for sequences, first, last in tiles:
                 rows = slice(first, last)
-                scores = (query[sequences, :, rows] * scaling) @ key[sequences].mT  # c2c: q_i . k_j
                 c2p_rows = c2p[sequences, :, rows] if c2p is not None else None
                 p2c_rows = p2c[sequences].mT if p2c is not None else None  # read by table row
-                scores += _block_bias(positions, c2p_rows, p2c_rows, None, first, last, scores.shape[:2])  # c2p, p2c
+                group_heads = (sequences.stop - sequences.start, heads)
+                scores = _block_bias(positions, c2p_rows, p2c_rows, None, first, last, group_heads)  # c2p + p2c
+                scores.view(-1, *scores.shape[-2:]).baddbmm_(  # + c2c: q_i . k_j (the bias is fresh, contiguous)
+                    _by_batch_head(scaled_query[sequences, :, rows]), _by_batch_head(key[sequences]).mT
+                )
                 if mask is not None:
                     scores.masked_fill_(~_block_mask(mask, sequences, first, last), torch.finfo(scores.dtype).min)
                 block_probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
                 block_probs = block_probs.to(query.dtype)
-                probs[sequences, :, rows] = block_probs
-                if keep is not None:
-                    # uniform draws compared with the keep probability: PyTorch's CPU bernoulli_ is serial and
-                    # draws in float64, about twice as slow
-                    block_keep = keep[sequences, :, rows]
-                    torch.lt(torch.rand(block_keep.shape, device=block_keep.device), 1 - dropout, out=block_keep)
-                    block_probs = block_probs * block_keep * (1 / (1 - dropout))
-                context[sequences, rows] = (block_probs @ value[sequences]).transpose(1, 2)
-        ctx.save_for_backward(query, key, value, probs, keep, context)
+                probs.append(block_probs)
+                if dropout > 0:
+                    block_keep = dropout_keep_mask(block_probs.shape, dropout, block_probs.device)
+                    keeps.append(block_keep)
+                    block_probs = block_probs * block_keep
+                attended = block_probs @ value[sequences]
+                if dropout > 0:  # 1 / (1 - p) on the [n, D] product rather than on the [n, L] probabilities
+                    attended.mul_(1 / (1 - dropout))
+                context[sequences, rows] = attended.transpose(1, 2)
+        ctx.save_for_backward(scaled_query, key, value, context, *probs, *keeps)
         ctx.tiles, ctx.positions, ctx.scaling, ctx.dropout = tiles, positions, scaling, dropout
         ctx.table_width = (c2p if c2p is not None else p2c).shape[-1]
         ctx.has_tables = (c2p is not None, p2c is not None)
@@ -465,32 +470,58 @@ class BlockedAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_context):
-        query, key, value, probs, keep, context = ctx.saved_tensors
-        scaling, dropout, positions = ctx.scaling, ctx.dropout, ctx.positions
-        table_shape = (*query.shape[:3], ctx.table_width)
-        grad_query, grad_key, grad_value = torch.empty_like(query), torch.zeros_like(key), torch.zeros_like(value)
-        grad_c2p = query.new_empty(table_shape) if ctx.has_tables[0] else None  # each block zeroes its own rows
-        grad_p2c = query.new_zeros(table_shape) if ctx.has_tables[1] else None
+        scaled_query, key, value, context, *blocks = ctx.saved_tensors
+        tiles, scaling, dropout, positions = ctx.tiles, ctx.scaling, ctx.dropout, ctx.positions
+        probs, keeps = blocks[: len(tiles)], blocks[len(tiles) :] or [None] * len(tiles)
+        table_shape = (*scaled_query.shape[:3], ctx.table_width)
+        grad_query, grad_key = torch.empty_like(scaled_query), torch.zeros_like(key)
+        grad_value = torch.zeros_like(value)
+        grad_c2p = scaled_query.new_empty(table_shape) if ctx.has_tables[0] else None  # each block zeroes its rows
+        grad_p2c = scaled_query.new_zeros(table_shape) if ctx.has_tables[1] else None
         delta = (grad_context * context).sum(-1).transpose(1, 2)  # [B, H, L]: rowsum(dO * O) = rowsum(P * dP)
-        for sequences, first, last in ctx.tiles:
+        for (sequences, first, last), block_probs, block_keep in zip(tiles, probs, keeps):
             rows = slice(first, last)
-            block_probs = probs[sequences, :, rows]  # P
             grad_out = grad_context[sequences, rows].transpose(1, 2)  # dO [g, H, n, D]
-            grad_probs = grad_out @ value[sequences].mT  # dP of the probabilities after dropout
-            dropped = block_probs
-            if keep is not None:
-                block_keep = keep[sequences, :, rows].to(block_probs.dtype) * (1 / (1 - dropout))
-                dropped, grad_probs = block_probs * block_keep, grad_probs * block_keep
+            dropped = block_probs  # what multiplied v, but for 1 / (1 - p)
+            if block_keep is not None:
+                grad_out = grad_out * (1 / (1 - dropout))  # [n, D], not [n, L]
+                dropped = block_probs * block_keep
+            grad_probs = grad_out @ value[sequences].mT  # dP
+            if block_keep is not None:
+                grad_probs.mul_(block_keep)
             grad_value[sequences] += dropped.mT @ grad_out
-            grad_scores = block_probs * (grad_probs - delta[sequences, :, rows, None])  # dS, softmax's backward
+            grad_scores = grad_probs.sub_(delta[sequences, :, rows, None]).mul_(block_probs)  # dS, softmax's backward
             grad_query[sequences, :, rows] = (grad_scores @ key[sequences]) * scaling
-            grad_key[sequences] += grad_scores.mT @ (query[sequences, :, rows] * scaling)
+            grad_key[sequences] += grad_scores.mT @ scaled_query[sequences, :, rows]
             index = positions.hankel(first, last - first, positions.length).expand_as(grad_scores)
             if grad_c2p is not None:  # c2p[i, column[i + j']] received dS[i, j']
                 grad_c2p[sequences, :, rows].zero_().scatter_add_(-1, index, grad_scores)
             if grad_p2c is not None:  # p2c[j', column[i + j']] received dS[i, j']
                 grad_p2c[sequences].mT.scatter_add_(-2, index, grad_scores)
         return grad_query, grad_key, grad_value, grad_c2p, grad_p2c, None, None, None, None, None
+
+
+DROPOUT_BITS = 15  # random bits per dropout decision (`dropout_keep_mask`)
+
+
+def dropout_keep_mask(shape: tuple[int, ...], dropout: float, device) -> Tensor:
+    """A bool mask of `shape`, each entry True with probability 1 - dropout, independently.
+
+    Each entry compares 15 random bits with round((1 - dropout) * 2^15), and one 64-bit draw gives four entries:
+    PyTorch's CPU generator costs the same per element whatever the element's width (`torch.rand` and
+    `bernoulli_` draw one float per entry, and were the largest single cost of a CPU training step at 512
+    tokens). The keep probability is thus rounded to a multiple of 2^-15 (0.9 becomes 0.899994); PyTorch's
+    CUDA flash attention rounds it to a multiple of 1/255.
+    """
+    count = math.prod(shape)
+    words = torch.empty(-(-count // 4), dtype=torch.int64, device=device).random_()  # 63 random bits each
+    lanes = words.view(torch.int16)[:count].bitwise_and_((1 << DROPOUT_BITS) - 1)  # 15 bits per lane
+    return (lanes < round((1 - dropout) * (1 << DROPOUT_BITS))).view(shape)
+
+
+def _by_batch_head(tensor: Tensor) -> Tensor:
+    """[g, H, n, m] as [g * H, n, m] for a batched product (a view where the layout allows, else a copy)."""
+    return tensor.reshape(-1, *tensor.shape[-2:])
 
 
 # Bias elements per block of the CPU inference path (4 MiB in float32, so that bias and T stay in cache; 2^19 to

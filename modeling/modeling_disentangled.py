@@ -43,6 +43,7 @@ from .disentangled_attention import (
     PositionScores,
     RelativePositions,
     dense_position_bias,
+    dropout_keep_mask,
     eager_disentangled,
     head_scaling,
     warn_once,
@@ -63,6 +64,18 @@ except ImportError:  # transformers 4.57
     from torch.nn import init
 
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+
+
+class Dropout(nn.Dropout):
+    """`nn.Dropout`, with the mask drawn by `dropout_keep_mask` when training on the CPU (four decisions per
+    random draw instead of one: PyTorch's CPU generator costs the same per element whatever its width).
+    Elsewhere, while a graph is traced and for p = 1, `nn.Dropout` itself."""
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        if not self.training or self.inplace or not 0 < self.p < 1 or hidden.device.type != "cpu" or is_tracing():
+            return super().forward(hidden)
+        keep = dropout_keep_mask(hidden.shape, self.p, hidden.device)
+        return torch.where(keep, hidden * (1 / (1 - self.p)), 0)
 
 
 def weights_key(*tensors: Tensor | None) -> tuple | None:
@@ -106,7 +119,7 @@ class DisentangledEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, size) if config.type_vocab_size > 0 else None
         self.embed_proj = nn.Linear(size, config.hidden_size, bias=False) if size != config.hidden_size else None
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
 
     def forward(
         self,
@@ -156,7 +169,7 @@ class DisentangledSelfAttention(nn.Module):
                 self.pos_key_proj = nn.Linear(config.hidden_size, inner)
             if self.use_p2c or self.use_p2p:
                 self.pos_query_proj = nn.Linear(config.hidden_size, inner)
-        self.pos_dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.pos_dropout = Dropout(config.hidden_dropout_prob)
         # Checkpoints count every listed term in the scaling, also with relative_attention off.
         self.scaling = head_scaling(self.head_dim, 1 + len(terms))
         self.dropout_p = config.attention_probs_dropout_prob
@@ -296,7 +309,7 @@ class DisentangledSelfOutput(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.num_attention_heads * config.head_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
 
     def forward(self, hidden_states: Tensor, residual: Tensor) -> Tensor:
         return self.LayerNorm(self.dropout(self.dense(hidden_states)) + residual)
@@ -341,7 +354,7 @@ class DisentangledOutput(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
 
     def forward(self, hidden_states: Tensor, residual: Tensor) -> Tensor:
         return self.LayerNorm(self.dropout(self.dense(hidden_states)) + residual)
@@ -385,7 +398,7 @@ class ConvLayer(nn.Module):
         )
         self.conv_act = ACT2FN[config.conv_act]
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
 
     def forward(self, embeddings: Tensor, layer_output: Tensor, input_mask: Tensor) -> Tensor:
         mask = input_mask.unsqueeze(-1).to(layer_output.dtype)  # [B, L, 1]
@@ -633,7 +646,7 @@ class ContextPooler(nn.Module):
         super().__init__()
         size = config.pooler_hidden_size or config.hidden_size
         self.dense = nn.Linear(size, size)
-        self.dropout = nn.Dropout(config.pooler_dropout)
+        self.dropout = Dropout(config.pooler_dropout)
         self.activation = ACT2FN[config.pooler_hidden_act]
         self.output_dim = size
 
@@ -979,7 +992,7 @@ class DisentangledForSequenceClassification(DisentangledPreTrainedModel):
         self.deberta = DisentangledModel(config)
         self.pooler = ContextPooler(config)
         self.classifier = nn.Linear(self.pooler.output_dim, config.num_labels)
-        self.dropout = nn.Dropout(config.cls_dropout if config.cls_dropout is not None else config.hidden_dropout_prob)
+        self.dropout = Dropout(config.cls_dropout if config.cls_dropout is not None else config.hidden_dropout_prob)
         self.post_init()
 
     def forward(
@@ -1025,7 +1038,7 @@ class DisentangledForTokenClassification(DisentangledPreTrainedModel):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.deberta = DisentangledModel(config)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
@@ -1121,7 +1134,7 @@ class DisentangledForMultipleChoice(DisentangledPreTrainedModel):
         self.deberta = DisentangledModel(config)
         self.pooler = ContextPooler(config)
         self.classifier = nn.Linear(self.pooler.output_dim, 1)
-        self.dropout = nn.Dropout(config.cls_dropout if config.cls_dropout is not None else config.hidden_dropout_prob)
+        self.dropout = Dropout(config.cls_dropout if config.cls_dropout is not None else config.hidden_dropout_prob)
         self.post_init()
 
     def forward(

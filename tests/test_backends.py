@@ -8,6 +8,7 @@ reference of the same `score_mod` (inference); `DISENTANGLED_TEST_COMPILE=1` add
 from __future__ import annotations
 
 import copy
+import math
 import os
 import warnings
 
@@ -340,9 +341,9 @@ def test_blocked_attention_matches_the_dense_formula():
         torch.manual_seed(3)
         actual = backends.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, 2 * 3 * 20 * 7)
         dropout_keep = None
-        if dropout:  # the same draws: one uniform draw over the whole [B, H, L, L] when one block holds it all
+        if dropout:  # the same draws: one mask over the whole [B, H, L, L] when one block holds it all
             torch.manual_seed(3)
-            dropout_keep = torch.rand(2, 3, 20, 20) < 1 - dropout
+            dropout_keep = backends.dropout_keep_mask((2, 3, 20, 20), dropout, "cpu")
             torch.manual_seed(3)
             actual = backends.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, None)
         expected = reference_attention(*tensors, keep, positions, 0.3, dropout_keep, dropout)
@@ -352,6 +353,24 @@ def test_blocked_attention_matches_the_dense_formula():
         assert (actual - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
         for name, got, want in zip(("query", "key", "value", "c2p", "p2c"), actual_grads, expected_grads):
             assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item()), name
+
+
+@pytest.mark.parametrize("dropout", [0.1, 0.5, 0.9])
+def test_dropout_keep_mask_keeps_each_entry_with_the_keep_probability(dropout):
+    """Four entries per 64-bit draw: every lane of the draw (entry index mod 4) and the whole mask keep 1 - p of
+    the entries (within 5 standard deviations), two masks differ, and the seed reproduces one."""
+    torch.manual_seed(0)
+    shape = (3, 5, 257, 263)  # an odd entry count: the last draw is used in part
+    keep = backends.dropout_keep_mask(shape, dropout, "cpu")
+    assert keep.shape == shape and keep.dtype == torch.bool
+    expected = round((1 - dropout) * 2**backends.DROPOUT_BITS) / 2**backends.DROPOUT_BITS
+    assert abs(expected - (1 - dropout)) <= 2**-backends.DROPOUT_BITS
+    flat = keep.flatten()[: keep.numel() // 4 * 4].view(-1, 4).double()
+    for fraction, count in [(keep.double().mean(), keep.numel())] + [(lane.mean(), len(lane)) for lane in flat.T]:
+        assert abs(fraction - expected) <= 5 * math.sqrt(expected * (1 - expected) / count), (fraction, expected)
+    assert not torch.equal(keep, backends.dropout_keep_mask(shape, dropout, "cpu"))
+    torch.manual_seed(0)
+    assert torch.equal(keep, backends.dropout_keep_mask(shape, dropout, "cpu"))
 
 
 def test_blocked_attention_in_bfloat16_with_dropout():
