@@ -311,7 +311,11 @@ def sdpa_disentangled(
     mask = attention_mask.flip(-1) if attention_mask is not None else None
     positions = position_scores.positions
     if not inference and on_cpu and position_scores.p2p is None:  # CPU training
-        c2p, p2c = position_scores.c2p, position_table(key, position_scores.pos_query)  # p2c of the reversed keys
+        # [H, B, L, W] in memory, read as [B, H, L, W]: one product per head, which einsum would copy into
+        # [B, H, L, W] (and its backward back again); BlockedAttention gives the gradients the same layout.
+        pos_key, pos_query = position_scores.pos_key, position_scores.pos_query
+        c2p = _by_head(query, pos_key) if pos_key is not None else None
+        p2c = _by_head(key, pos_query) if pos_query is not None else None  # p2c of the reversed keys
         context = BlockedAttention.apply(query, key, value, c2p, p2c, mask, positions, scaling, dropout, block_elements)
         return context, None
     context = _attend_in_blocks(position_scores, query, key, value, mask, scaling, dropout, block_elements, inference)
@@ -456,7 +460,7 @@ class BlockedAttention(torch.autograd.Function):
                 if dropout > 0:
                     block_keep = dropout_keep_mask(block_probs.shape, dropout, block_probs.device)
                     keeps.append(block_keep)
-                    block_probs = block_probs * block_keep
+                    block_probs = torch.where(block_keep, block_probs, 0)  # (a bool factor would be cast to a copy)
                 attended = block_probs @ value[sequences]
                 if dropout > 0:  # 1 / (1 - p) on the [n, D] product rather than on the [n, L] probabilities
                     attended.mul_(1 / (1 - dropout))
@@ -464,7 +468,7 @@ class BlockedAttention(torch.autograd.Function):
         ctx.save_for_backward(scaled_query, key, value, context, *probs, *keeps)
         ctx.tiles, ctx.positions, ctx.scaling, ctx.dropout = tiles, positions, scaling, dropout
         ctx.table_width = (c2p if c2p is not None else p2c).shape[-1]
-        ctx.has_tables = (c2p is not None, p2c is not None)
+        ctx.table_strides = tuple(table.stride() if table is not None else None for table in (c2p, p2c))
         return context
 
     @staticmethod
@@ -476,8 +480,10 @@ class BlockedAttention(torch.autograd.Function):
         table_shape = (*scaled_query.shape[:3], ctx.table_width)
         grad_query, grad_key = torch.empty_like(scaled_query), torch.zeros_like(key)
         grad_value = torch.zeros_like(value)
-        grad_c2p = scaled_query.new_empty(table_shape) if ctx.has_tables[0] else None  # each block zeroes its rows
-        grad_p2c = scaled_query.new_zeros(table_shape) if ctx.has_tables[1] else None
+        # gradients laid out as the tables were; each block zeroes its own rows of grad_c2p
+        c2p_strides, p2c_strides = ctx.table_strides
+        grad_c2p = scaled_query.new_empty_strided(table_shape, c2p_strides) if c2p_strides else None
+        grad_p2c = scaled_query.new_empty_strided(table_shape, p2c_strides).zero_() if p2c_strides else None
         delta = (grad_context * context).sum(-1).transpose(1, 2)  # [B, H, L]: rowsum(dO * O) = rowsum(P * dP)
         for (sequences, first, last), block_probs, block_keep in zip(tiles, probs, keeps):
             rows = slice(first, last)
@@ -485,10 +491,10 @@ class BlockedAttention(torch.autograd.Function):
             dropped = block_probs  # what multiplied v, but for 1 / (1 - p)
             if block_keep is not None:
                 grad_out = grad_out * (1 / (1 - dropout))  # [n, D], not [n, L]
-                dropped = block_probs * block_keep
+                dropped = torch.where(block_keep, block_probs, 0)
             grad_probs = grad_out @ value[sequences].mT  # dP
             if block_keep is not None:
-                grad_probs.mul_(block_keep)
+                grad_probs = torch.where(block_keep, grad_probs, 0)
             grad_value[sequences] += dropped.mT @ grad_out
             grad_scores = grad_probs.sub_(delta[sequences, :, rows, None]).mul_(block_probs)  # dS, softmax's backward
             grad_query[sequences, :, rows] = (grad_scores @ key[sequences]) * scaling
