@@ -684,7 +684,7 @@ def _by_head(rows: Tensor, relative: Tensor, out: Tensor | None = None) -> Tenso
     groups, heads, count, dim = rows.shape
     flat = rows.transpose(0, 1).reshape(heads, groups * count, dim)  # a view when g = 1
     product = torch.bmm(flat, relative.mT, out=out)
-    return product.view(heads, groups, count, -1).transpose(0, 1)
+    return product.view(heads, groups, count, relative.shape[-2]).transpose(0, 1)  # explicit: B or L may be 0
 
 
 def _distance_table(
