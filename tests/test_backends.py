@@ -373,6 +373,21 @@ def test_dropout_keep_mask_keeps_each_entry_with_the_keep_probability(dropout):
     assert torch.equal(keep, backends.dropout_keep_mask(shape, dropout, "cpu"))
 
 
+def test_model_dropout_on_the_cpu_drops_p_and_rescales_the_rest():
+    """The model's hidden dropout (`Dropout`): in training, a fraction p of entries is zero and the rest are the
+    input over 1 - p; in eval mode it is the identity."""
+    from disentangled.modeling.modeling_disentangled import Dropout
+
+    torch.manual_seed(0)
+    hidden = torch.rand(4, 256, 512) + 1  # no zeros of its own
+    dropout = Dropout(0.25).train()
+    out = dropout(hidden)
+    kept = out != 0
+    assert torch.allclose(out[kept], hidden[kept] / 0.75)
+    assert abs(1 - kept.double().mean().item() - 0.25) <= 5 * math.sqrt(0.25 * 0.75 / hidden.numel())
+    assert torch.equal(dropout.eval()(hidden), hidden)
+
+
 def test_blocked_attention_in_bfloat16_with_dropout():
     """bfloat16 in, bfloat16 gradients out, close to float32 with the same dropout mask (a model cast to bf16)."""
     *tensors, keep, positions = blocked_attention_inputs(torch.float32, length=20)
