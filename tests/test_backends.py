@@ -292,6 +292,64 @@ def test_far_parts_hand_the_flash_kernel_masks_it_reads_in_place(monkeypatch, pa
     assert max_abs_diff(actual, expected, batch["attention_mask"]) <= 1e-5 * max(1.0, expected.abs().max().item())
 
 
+def test_inference_workspace_is_kept_between_calls_and_stays_exact(monkeypatch):
+    """CPU inference keeps its buffers (the p2c table with its -inf columns, the block buffers) between calls, per
+    model and thread. Inputs of other lengths, paddings and dtypes in any order give exactly what a call with fresh
+    buffers gives, and `release_workspace` frees them."""
+    reference = build("eager")
+    sdpa = with_implementation(reference, "sdpa")
+    fresh = with_implementation(reference, "sdpa")
+    batches = [
+        padded_batch(100, [150, 97]),
+        padded_batch(100, [40, 23, 31]),
+        padded_batch(100, [150]),
+        padded_batch(100, [150, 97], seed=1),
+        padded_batch(100, [120, 150, 3]),
+    ]
+    with torch.no_grad():
+        for batch in batches + batches[::-1]:
+            actual = sdpa(**batch).last_hidden_state
+            monkeypatch.setattr(backends, "KEEP_WORKSPACE", False)
+            expected = fresh(**batch).last_hidden_state
+            monkeypatch.setattr(backends, "KEEP_WORKSPACE", True)
+            assert torch.equal(actual, expected)
+        assert max_abs_diff(actual, reference(**batch).last_hidden_state, batch["attention_mask"]) <= 1e-5 * max(
+            1.0, expected.abs().max().item()
+        )
+        held = backends.inference_workspace(sdpa.encoder)
+        assert "distance table" in held and not backends.inference_workspace(fresh.encoder)
+        sdpa.release_workspace()
+        assert not backends.inference_workspace(sdpa.encoder)
+        sdpa.train()  # training and gradients keep nothing
+        sdpa(**batches[0]).last_hidden_state.sum()
+        assert not backends.inference_workspace(sdpa.encoder)
+
+
+def test_inference_workspace_is_per_thread():
+    """Two threads running one model at once each get their own buffers and the single-thread outputs."""
+    import threading
+
+    sdpa = build("sdpa")
+    batches = [padded_batch(100, [150, 97]), padded_batch(100, [140, 150], seed=1)]
+    with torch.no_grad():
+        expected = [sdpa(**batch).last_hidden_state for batch in batches]
+    results, workspaces = {}, {}
+
+    def serve(index):
+        with torch.no_grad():
+            for _ in range(3):
+                results[index] = sdpa(**batches[index]).last_hidden_state
+        workspaces[index] = backends.inference_workspace(sdpa.encoder)
+
+    threads = [threading.Thread(target=serve, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(torch.equal(results[index], expected[index]) for index in range(2))
+    assert workspaces[0]["distance table"].data_ptr() != workspaces[1]["distance table"].data_ptr()
+
+
 def blocked_attention_inputs(dtype=torch.float64, length=12, batch=2, heads=3, dim=4):
     """Inputs of `BlockedAttention`: keys already reversed, log buckets from |d| >= 4 on, one padded sequence."""
     positions = backends.RelativePositions.build(length, 8, 8, 16, "cpu")
