@@ -709,8 +709,14 @@ def _scratch(positions: RelativePositions, kind: str, shape: tuple[int, ...], li
     glibc's mmap threshold costs page faults on every call; blocks, layers and later calls reuse this one)."""
     count = math.prod(shape)
     buffer = positions.workspace.get(kind)
-    if buffer is None or buffer.numel() < count or buffer.dtype != like.dtype or buffer.device != like.device:
+    if (
+        buffer is None
+        or buffer.numel() < count
+        or (buffer.dtype, buffer.device) != (like.dtype, like.device)
+        or (buffer.is_inference() and not torch.is_inference_mode_enabled())  # no in-place writes outside it
+    ):
         buffer = positions.workspace[kind] = like.new_empty(count)
+        positions.workspace.pop(f"{kind} layout", None)  # what was written into the old buffer is not in this one
     return buffer[:count].view(shape)
 
 

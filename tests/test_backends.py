@@ -294,8 +294,8 @@ def test_far_parts_hand_the_flash_kernel_masks_it_reads_in_place(monkeypatch, pa
 
 def test_inference_workspace_is_kept_between_calls_and_stays_exact(monkeypatch):
     """CPU inference keeps its buffers (the p2c table with its -inf columns, the block buffers) between calls, per
-    model and thread. Inputs of other lengths, paddings and dtypes in any order give exactly what a call with fresh
-    buffers gives, and `release_workspace` frees them."""
+    model and thread. Inputs of other lengths and paddings in any order, in and out of inference mode, give exactly
+    what a call with fresh buffers gives, and `release_workspace` frees them."""
     reference = build("eager")
     sdpa = with_implementation(reference, "sdpa")
     fresh = with_implementation(reference, "sdpa")
@@ -307,8 +307,9 @@ def test_inference_workspace_is_kept_between_calls_and_stays_exact(monkeypatch):
         padded_batch(100, [120, 150, 3]),
     ]
     with torch.no_grad():
-        for batch in batches + batches[::-1]:
-            actual = sdpa(**batch).last_hidden_state
+        for index, batch in enumerate(batches + batches[::-1]):
+            with torch.inference_mode(index % 3 == 1):  # buffers made in inference mode are replaced outside it
+                actual = sdpa(**batch).last_hidden_state
             monkeypatch.setattr(backends, "KEEP_WORKSPACE", False)
             expected = fresh(**batch).last_hidden_state
             monkeypatch.setattr(backends, "KEEP_WORKSPACE", True)
