@@ -570,7 +570,7 @@ DISTANCE_MIN_ROWS = 192  # query rows per block at least (see `_attend_by_distan
 # band reads; 128 MiB in float32): whole up to a few thousand tokens, computed in chunks of keys beyond.
 DISTANCE_TABLE_ELEMENTS = 1 << 25
 # Keys per product of U for one sequence: a band of keys computes only the distances its keys are read at (at 512
-# tokens, bands of 128 compute 5/8 of the rectangle and took 0.6x its time on 2 AVX-512 cores)
+# tokens, bands of 128 compute 5/8 of the rectangle; 0.6x its time in a micro-benchmark on 2 AVX-512 cores)
 DISTANCE_KEY_BAND = 128
 
 
@@ -728,7 +728,7 @@ def _add_by_key_chunks(c2p: Tensor | None, p2c: Tensor, out: Tensor) -> Tensor:
 
     Along a row of the block, the p2c view steps from one row of U to the next, one cache line per key; the next
     query row reads the same lines one element on. In chunks of 512 keys those lines (32 KiB) stay in L1 from one
-    query row to the next; a whole row of 1,000 keys or more would not (the add took 1.7x as long)."""
+    query row to the next; a whole row of 1,000 keys or more would not (1.7x the time in a micro-benchmark)."""
     for first in range(0, p2c.shape[-1], ADD_CHUNK_KEYS):
         keys = slice(first, first + ADD_CHUNK_KEYS)
         if c2p is None:
