@@ -128,8 +128,13 @@ class RelativePositions:
             int((column == lowest).nonzero().max()) - (length - 1),  # the last distance that still reads `lowest`
             int((column == highest).nonzero().min()) - (length - 1),  # the first distance that reads `highest`
         )
-        workspace = workspace if workspace is not None else {}
-        return cls(column.to(device), slice(first, last + 1), near, (lowest, highest), workspace)
+        return cls(
+            column=column.to(device),
+            rows=slice(first, last + 1),
+            near=near,
+            far_columns=(lowest, highest),
+            workspace=workspace if workspace is not None else {},
+        )
 
     @property
     def length(self) -> int:
@@ -173,9 +178,9 @@ def inference_workspace(module: torch.nn.Module) -> dict | None:
     """The buffers `module`'s inference forwards share on this thread (see `RelativePositions.workspace`).
 
     Kept between calls, as a caching allocator would keep them, so that a forward over a few thousand tokens does
-    not fault in a fresh 130 MiB table each time (about 50 ms at 2,048 tokens): one p2c table and two block
-    buffers, at most 178 MiB for 12 heads in float32 (35 MiB after 512 tokens). Per thread, so that threads serving
-    one model never share a buffer; `release_workspace(model)` frees them."""
+    not fault in a fresh 130 MiB table each time: one p2c table and two block buffers (`benchmarks.cpu_inference`
+    times fresh ones and prints what is held after a call). Per thread, so that threads serving one model never
+    share a buffer; `release_workspace(model)` frees them."""
     if not KEEP_WORKSPACE:
         return None
     held = getattr(_workspaces, "by_module", None)
@@ -570,7 +575,7 @@ DISTANCE_MIN_ROWS = 192  # query rows per block at least (see `_attend_by_distan
 # band reads; 128 MiB in float32): whole up to a few thousand tokens, computed in chunks of keys beyond.
 DISTANCE_TABLE_ELEMENTS = 1 << 25
 # Keys per product of U for one sequence: a band of keys computes only the distances its keys are read at (at 512
-# tokens, bands of 128 compute 5/8 of the rectangle; 0.6x its time in a micro-benchmark on 2 AVX-512 cores)
+# tokens, bands of 128 compute 5/8 of the rectangle; `python -m benchmarks.cpu_inference` times 512 against it)
 DISTANCE_KEY_BAND = 128
 
 
@@ -655,13 +660,15 @@ def _attend_by_distance(
                 block_high, block_low = rows.stop - 1 - keys.start, rows.start - keys.stop + 1
                 # T's columns of distances outside the band are -inf, not products: the far parts have those keys
                 above, below = max(0, block_high - near_high + 1), max(0, near_low - block_low + 1)
-                count, sizes = block_high - block_low + 1, (heads, sequences.stop - sequences.start, shape[0])
-                product = _scratch(positions, "c2p", (heads, sizes[1] * sizes[2], count), query)
-                product[..., :above] = float("-inf")
-                product[..., count - below :] = float("-inf")
+                count, members = block_high - block_low + 1, sequences.stop - sequences.start
+                product = _scratch(positions, "c2p", (heads, members * shape[0], count), query)
+                if above:
+                    product[..., :above] = float("-inf")
+                if below:
+                    product[..., count - below :] = float("-inf")
                 relative = kr_descending[:, length - 1 - block_high + above : length - block_low - below]
                 _by_head(group_query[:, :, rows], relative, out=product[..., above : count - below])
-                table_c2p = product.view(*sizes, count).transpose(0, 1)
+                table_c2p = product.view(heads, members, shape[0], count).transpose(0, 1)
                 row, column = table_c2p.stride(2), table_c2p.stride(3)
                 bias = _skewed(table_c2p, (shape[0] - 1) * column, row - column, column, shape)
             if pos_query is not None:  # p2c = U[j - c0, d - low]
@@ -728,7 +735,7 @@ def _add_by_key_chunks(c2p: Tensor | None, p2c: Tensor, out: Tensor) -> Tensor:
 
     Along a row of the block, the p2c view steps from one row of U to the next, one cache line per key; the next
     query row reads the same lines one element on. In chunks of 512 keys those lines (32 KiB) stay in L1 from one
-    query row to the next; a whole row of 1,000 keys or more would not (1.7x the time in a micro-benchmark)."""
+    query row to the next; a whole row of 1,000 keys or more would not (`benchmarks.cpu_inference` times both)."""
     for first in range(0, p2c.shape[-1], ADD_CHUNK_KEYS):
         keys = slice(first, first + ADD_CHUNK_KEYS)
         if c2p is None:

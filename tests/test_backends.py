@@ -11,6 +11,7 @@ import contextlib
 import copy
 import math
 import os
+import threading
 import warnings
 
 import pytest
@@ -323,22 +324,22 @@ def test_inference_workspace_is_kept_between_calls_and_stays_exact(monkeypatch):
         assert "distance table" in held and not backends.inference_workspace(fresh.encoder)
         sdpa.release_workspace()
         assert not backends.inference_workspace(sdpa.encoder)
-        sdpa.train()  # training and gradients keep nothing
-        sdpa(**batches[0]).last_hidden_state.sum()
-        assert not backends.inference_workspace(sdpa.encoder)
+    sdpa.train()  # training (with gradients) keeps nothing
+    sdpa(**batches[0]).last_hidden_state.sum().backward()
+    assert not backends.inference_workspace(sdpa.encoder)
 
 
 def test_inference_workspace_is_per_thread():
     """Two threads running one model at once each get their own buffers and the single-thread outputs."""
-    import threading
-
     sdpa = build("sdpa")
     batches = [padded_batch(100, [150, 97]), padded_batch(100, [140, 150], seed=1)]
     with torch.no_grad():
         expected = [sdpa(**batch).last_hidden_state for batch in batches]
     results, workspaces = {}, {}
+    start = threading.Barrier(2)  # both threads call the model at the same time
 
     def serve(index):
+        start.wait()
         with torch.no_grad():
             for _ in range(3):
                 results[index] = sdpa(**batches[index]).last_hidden_state

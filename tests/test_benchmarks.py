@@ -128,3 +128,17 @@ def test_int8_benchmark_reports_every_path(tmp_path):
         for name in ("ours-torch-int8", "onnxruntime-float32", "onnxruntime-int8"):
             assert 0.0 <= result[name]["agreement"] <= 1.0 and result[name]["max_prob_diff"] >= 0.0
     assert "onnxruntime-int8" in report["markdown"] and report["machine"].split(" (")[0] in report["markdown"]
+
+
+def test_cpu_inference_variants_run_and_restore_the_module_constants(capsys):
+    """Every variant runs (and is checked equal to the model as it stands inside the command); the constants it
+    changes are restored; the held buffers are reported."""
+    from benchmarks import cpu_inference
+    from disentangled.modeling import disentangled_attention as backends
+
+    before = {name: getattr(backends, name) for name in ("KEEP_WORKSPACE", "ADD_CHUNK_KEYS", "DISTANCE_KEY_BAND")}
+    cpu_inference.main(["--cases", "2x96", "--layers", "1", "--repeats", "1", "--held-lengths", "96"])
+    printed = capsys.readouterr().out
+    assert all(f"| {variant} |" in printed for variant in cpu_inference.VARIANTS)
+    assert "| 96 |" in printed and " MiB |" in printed
+    assert before == {name: getattr(backends, name) for name in before}

@@ -1,0 +1,99 @@
+"""CPU inference of ours-sdpa: what each buffer and blocking choice of its by-distance path is worth, in one process.
+
+    python -m benchmarks.cpu_inference                            # 4x512 and 1x2048, 2 layers
+    python -m benchmarks.cpu_inference --cases 1x2048 --repeats 15
+
+Times the model as it stands against variants that each undo one choice (module constants of
+`disentangled.modeling.disentangled_attention`), interleaved with a same-size BERT with sdpa; prints medians and
+ratios to BERT. Every variant's output is checked equal to the model's. Variants:
+
+- `fresh-buffers`: every call allocates its T, U and bias buffers (KEEP_WORKSPACE=False), as before they were kept;
+- `whole-row-add`: the add of the c2p and p2c views over whole block rows (ADD_CHUNK_KEYS above any length);
+- `u-in-512-key-bands`: U for one sequence in 512-key bands (DISTANCE_KEY_BAND=512).
+
+Then the buffers one call leaves held, per length (what `model.release_workspace()` frees).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks import machine
+from benchmarks.run import build_models, inputs_for, time_once
+from disentangled.modeling import disentangled_attention as backends
+
+VARIANTS = {
+    "as-is": {},
+    "fresh-buffers": {"KEEP_WORKSPACE": False},
+    "whole-row-add": {"ADD_CHUNK_KEYS": 1 << 30},
+    "u-in-512-key-bands": {"DISTANCE_KEY_BAND": 512},
+}
+
+
+def held_mib(model) -> float:
+    """MiB of the buffers `model` keeps on this thread after its last inference call."""
+    workspace = backends.inference_workspace(model.encoder) or {}
+    tensors = [value for value in workspace.values() if isinstance(value, torch.Tensor)]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors) / 2**20
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=["4x512", "1x2048"], help="BATCHxLENGTH")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--held-lengths", nargs="*", type=int, default=[512, 2048, 4096])
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as folder:
+        models = build_models(args.layers, Path(folder), ["sdpa"], False)
+    ours, bert = models["ours-sdpa"], models["bert-sdpa"]
+    defaults = {name: getattr(backends, name) for settings in VARIANTS.values() for name in settings}
+
+    def call(variant: str, inputs) -> float:
+        for name, value in {**defaults, **VARIANTS[variant]}.items():
+            setattr(backends, name, value)
+        return time_once(ours, inputs, False)
+
+    print(f"{machine.describe()}; {args.layers} layers; median of {args.repeats} interleaved rounds")
+    try:
+        for case in args.cases:
+            batch, length = (int(part) for part in case.split("x"))
+            inputs = inputs_for(batch, length, padded=True)
+            outputs = {}
+            for variant in VARIANTS:
+                call(variant, inputs)
+                with torch.inference_mode():
+                    outputs[variant] = ours(**inputs).last_hidden_state
+                if not torch.equal(outputs[variant], outputs["as-is"]):
+                    raise SystemExit(f"{variant} changes the outputs at {case}")
+            times = {name: [] for name in [*VARIANTS, "bert-sdpa"]}
+            for _ in range(args.repeats):
+                for variant in VARIANTS:
+                    times[variant].append(call(variant, inputs))
+                times["bert-sdpa"].append(time_once(bert, inputs, False))
+            bert_time = statistics.median(times["bert-sdpa"])
+            print(f"\n| {case} | median | / bert-sdpa |\n|---|---|---|")
+            for name, values in times.items():
+                median = statistics.median(values)
+                print(f"| {name} | {median * 1e3:.1f} ms | {median / bert_time:.2f} |")
+    finally:
+        for name, value in defaults.items():
+            setattr(backends, name, value)
+    print("\n| length | buffers held after a call |\n|---|---|")
+    for length in args.held_lengths:
+        ours.release_workspace()
+        with torch.inference_mode():
+            ours(**inputs_for(1, length, padded=False))
+        print(f"| {length} | {held_mib(ours):.0f} MiB |")
+
+
+if __name__ == "__main__":
+    main()
