@@ -9,7 +9,8 @@ ratios to BERT. Every variant's output is checked equal to the model's. Variants
 
 - `fresh-buffers`: every call allocates its T, U and bias buffers (KEEP_WORKSPACE=False), as before they were kept;
 - `whole-row-add`: the add of the c2p and p2c views over whole block rows (ADD_CHUNK_KEYS above any length);
-- `u-in-512-key-bands`: U for one sequence in 512-key bands (DISTANCE_KEY_BAND=512).
+- `u-in-512-key-bands`: U for one sequence in 512-key bands (DISTANCE_KEY_BAND=512);
+- `unpadded-products`: T and U products of their exact widths (PRODUCT_COLUMNS_MULTIPLE=1), not multiples of 16.
 
 Then the buffers one call leaves held, per length (what `model.release_workspace()` frees).
 """
@@ -32,6 +33,7 @@ VARIANTS = {
     "fresh-buffers": {"KEEP_WORKSPACE": False},
     "whole-row-add": {"ADD_CHUNK_KEYS": 1 << 30},
     "u-in-512-key-bands": {"DISTANCE_KEY_BAND": 512},
+    "unpadded-products": {"PRODUCT_COLUMNS_MULTIPLE": 1},
 }
 
 

@@ -577,6 +577,19 @@ DISTANCE_TABLE_ELEMENTS = 1 << 25
 # Keys per product of U for one sequence: a band of keys computes only the distances its keys are read at (at 512
 # tokens, bands of 128 compute 5/8 of the rectangle; `python -m benchmarks.cpu_inference` times 512 against it)
 DISTANCE_KEY_BAND = 128
+# Columns of each T and U product rounded up to a multiple of this (spare columns are computed and never read):
+# MKL's sgemm with K = 64 runs N = 255 or 1,017 columns up to 1.4x slower than 256 or 1,024 on AVX-512.
+PRODUCT_COLUMNS_MULTIPLE = 16
+
+
+def _round_up(columns: int) -> int:
+    return -(-columns // PRODUCT_COLUMNS_MULTIPLE) * PRODUCT_COLUMNS_MULTIPLE
+
+
+def _with_spare_rows(index: Tensor) -> Tensor:
+    """`index` and PRODUCT_COLUMNS_MULTIPLE - 1 more entries (repeats of its last), so that a product over any
+    run of its rows can be widened to a multiple of PRODUCT_COLUMNS_MULTIPLE columns."""
+    return torch.cat([index, index[-1:].expand(PRODUCT_COLUMNS_MULTIPLE - 1)])
 
 
 def _skewed(table: Tensor, offset: int, row_step: int, column_step: int, shape: tuple[int, int]) -> Tensor:
@@ -638,11 +651,13 @@ def _attend_by_distance(
     high = max(rows.stop - 1 - keys.start for rows, keys in blocks)
     # The masked keys' value in U: the dtype's minimum absorbs every term added to it (float16's would not).
     fill_keys = key_mask and pos_query is not None and query.dtype != torch.float16
-    kr_descending = pos_key.index_select(-2, positions.column.flip(0)) if pos_key is not None else None
+    kr_descending = None  # Kr by distance, descending over [1 - L, L - 1] (and spare rows)
+    if pos_key is not None:
+        kr_descending = pos_key.index_select(-2, _with_spare_rows(positions.column.flip(0)))
     qr_ascending = None
-    if pos_query is not None:  # Qr by distance, ascending over [low, high]
+    if pos_query is not None:  # Qr by distance, ascending over [low, high] (and spare rows)
         middle = length - 1
-        qr_ascending = pos_query.index_select(-2, positions.column[low + middle : high + middle + 1])
+        qr_ascending = pos_query.index_select(-2, _with_spare_rows(positions.column[low + middle : high + middle + 1]))
     band = slice(max(low, near_low + 1), min(high, near_high - 1))  # distances with a value in U (inclusive)
     widest = max(keys.stop - keys.start for _, keys in blocks)
     chunk_keys = min(length, max(2 * widest, DISTANCE_TABLE_ELEMENTS // (group * heads * (high - low + 1))))
@@ -658,19 +673,27 @@ def _attend_by_distance(
             bias = None
             if pos_key is not None:  # c2p = T[a, (last - 1 - k0) - d], d = first + a - k0 - b
                 block_high, block_low = rows.stop - 1 - keys.start, rows.start - keys.stop + 1
-                # T's columns of distances outside the band are -inf, not products: the far parts have those keys
-                above, below = max(0, block_high - near_high + 1), max(0, near_low - block_low + 1)
                 count, members = block_high - block_low + 1, sequences.stop - sequences.start
-                product = _scratch(positions, "c2p", (heads, members * shape[0], count), query)
-                if above:
+                # Distances outside the band (T's first `above` and last `below` columns) are the far parts' keys:
+                # U's -inf masks them, so T holds only the band's columns and the view reads whatever lies
+                # before or after a row there (finite: other rows' products, or the zeroed margins). Without
+                # p2c, T holds every column and its out-of-band ones are -inf.
+                above, below = max(0, block_high - near_high + 1), max(0, near_low - block_low + 1)
+                skip_above, skip_below = (above, below) if pos_query is not None else (0, 0)
+                width = _round_up(count - skip_above - skip_below)
+                size = heads * members * shape[0] * width
+                buffer = _scratch(positions, "c2p", (skip_above + size + skip_below,), query)
+                buffer[:skip_above].zero_()
+                buffer[skip_above + size :].zero_()
+                product = buffer[skip_above : skip_above + size].view(heads, members * shape[0], width)
+                start = length - 1 - block_high + skip_above
+                _by_head(group_query[:, :, rows], kr_descending[:, start : start + width], out=product)
+                if pos_query is None:
                     product[..., :above] = float("-inf")
-                if below:
-                    product[..., count - below :] = float("-inf")
-                relative = kr_descending[:, length - 1 - block_high + above : length - block_low - below]
-                _by_head(group_query[:, :, rows], relative, out=product[..., above : count - below])
-                table_c2p = product.view(heads, members, shape[0], count).transpose(0, 1)
+                    product[..., count - below : count] = float("-inf")
+                table_c2p = product.view(heads, members, shape[0], width).transpose(0, 1)
                 row, column = table_c2p.stride(2), table_c2p.stride(3)
-                bias = _skewed(table_c2p, (shape[0] - 1) * column, row - column, column, shape)
+                bias = _skewed(table_c2p, (shape[0] - 1 - skip_above) * column, row - column, column, shape)
             if pos_query is not None:  # p2c = U[j - c0, d - low]
                 if keys.start < chunk.start or keys.stop > chunk.stop:
                     chunk = slice(keys.start, min(length, keys.start + chunk_keys))
@@ -764,7 +787,8 @@ def _distance_table(
     computed (a parallelogram, in bands of keys); a group of short sequences is one product per head. The
     columns of distances outside `band` (inclusive) are -inf: there the far parts hold the keys."""
     length, (groups, heads, _, _) = positions.length, key.shape
-    shape = (heads, groups, rows, qr_ascending.shape[-2])
+    distances = qr_ascending.shape[-2] - (PRODUCT_COLUMNS_MULTIPLE - 1)  # high - low + 1
+    shape = (heads, groups, rows, _round_up(distances))  # rows padded: one product can write whole rows
     name = (shape, low, band.start, band.stop, key.dtype, key.device)
     table = _scratch(positions, "distance table", shape, key)
     if positions.workspace.get("distance table layout") != name:  # one table at a time
@@ -772,18 +796,42 @@ def _distance_table(
         table[..., : band.start - low] = float("-inf")
         table[..., band.stop - low + 1 :] = float("-inf")
     keys = chunk.stop - chunk.start
+    # spare product columns may land in the table up to the -inf columns after the band (or to its end)
+    limit = band.stop - low + 1 if band.stop - low + 1 < distances else shape[-1]
     if groups > 1 and keys == rows:  # the whole table: every distance of every key
         columns = slice(band.start - low, band.stop - low + 1)
-        _by_head(key[:, :, chunk], qr_ascending[:, columns], out=table.view(heads, groups * rows, -1)[..., columns])
+        _product_columns(
+            key[:, :, chunk], qr_ascending, table.view(heads, groups * rows, -1), columns, limit, positions
+        )
     else:
         for first in range(chunk.start, chunk.stop, DISTANCE_KEY_BAND):
             last = min(first + DISTANCE_KEY_BAND, chunk.stop)
             columns = slice(max(band.start, -(last - 1)) - low, min(band.stop, length - 1 - first) - low + 1)
             if columns.stop > columns.start:
                 for sequence in range(groups):
-                    out = table[:, sequence, first - chunk.start : last - chunk.start, columns]
-                    torch.bmm(key[sequence, :, first:last], qr_ascending[:, columns].mT, out=out)
-    return table.transpose(0, 1)[:, :, :keys]
+                    rows_of_table = table[:, sequence, first - chunk.start : last - chunk.start]
+                    band_key = key[sequence : sequence + 1, :, first:last]
+                    _product_columns(band_key, qr_ascending, rows_of_table, columns, limit, positions)
+    return table.transpose(0, 1)[:, :, :keys, :distances]
+
+
+def _product_columns(
+    rows: Tensor, relative: Tensor, table: Tensor, columns: slice, limit: int, positions: RelativePositions
+) -> None:
+    """table[..., columns] = rows [g, H, n, D] against relative[:, columns]; `table` is [H, g * n, E], a view.
+
+    The product is widened to a multiple of PRODUCT_COLUMNS_MULTIPLE columns (`relative` has spare rows), which
+    may be written into the table up to column `limit`. torch.bmm writes a strided out= one head at a time, 1.5-3x
+    slower than a contiguous one on the CPU: where the columns are not contiguous rows of the table, the product
+    goes through a contiguous buffer and is copied in."""
+    count = columns.stop - columns.start
+    wide = slice(columns.start, columns.start + _round_up(count))
+    if wide.stop <= limit and table[..., wide].is_contiguous():
+        _by_head(rows, relative[:, wide], out=table[..., wide])
+        return
+    product = _scratch(positions, "product", (table.shape[0], table.shape[1], wide.stop - wide.start), table)
+    _by_head(rows, relative[:, wide], out=product)
+    table[..., columns].copy_(product[..., :count])
 
 
 def _fill_padded_keys(table: Tensor, mask: Tensor, chunk: slice, value: float) -> None:
