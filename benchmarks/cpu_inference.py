@@ -2,6 +2,7 @@
 
     python -m benchmarks.cpu_inference                            # 4x512 and 1x2048, 2 layers
     python -m benchmarks.cpu_inference --cases 1x2048 --repeats 15
+    python -m benchmarks.cpu_inference --baseline fcb26f5       # also the by-distance path of an earlier commit
 
 Times the model as it stands against variants that each undo one choice (module constants of
 `disentangled.modeling.disentangled_attention`), interleaved with a same-size BERT with sdpa; prints medians and
@@ -10,7 +11,9 @@ ratios to BERT. Every variant's output is checked equal to the model's. Variants
 - `fresh-buffers`: every call allocates its T, U and bias buffers (KEEP_WORKSPACE=False), as before they were kept;
 - `whole-row-add`: the add of the c2p and p2c views over whole block rows (ADD_CHUNK_KEYS above any length);
 - `u-in-512-key-bands`: U for one sequence in 512-key bands (DISTANCE_KEY_BAND=512);
-- `unpadded-products`: T and U products of their exact widths (PRODUCT_COLUMNS_MULTIPLE=1), not multiples of 16.
+- `unpadded-products`: T and U products of their exact widths (PRODUCT_COLUMNS_MULTIPLE=1), not multiples of 16;
+- `at-REV` (with `--baseline REV`): `_attend_by_distance` as it was at git revision REV (that commit's
+  `modeling/disentangled_attention.py`, loaded beside this one), for a change that is not a module constant.
 
 Then the buffers one call leaves held, per length (what `model.release_workspace()` frees).
 """
@@ -18,7 +21,10 @@ Then the buffers one call leaves held, per length (what `model.release_workspace
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -37,6 +43,27 @@ VARIANTS = {
 }
 
 
+def baseline_attention(revision: str, folder: Path):
+    """`_attend_by_distance` of modeling/disentangled_attention.py at git `revision`, imported as a sibling module
+    of the current one (its relative imports resolve to today's package)."""
+    root = Path(__file__).resolve().parent.parent
+    shown = subprocess.run(
+        ["git", "show", f"{revision}:modeling/disentangled_attention.py"], cwd=root, capture_output=True, text=True
+    )
+    if shown.returncode != 0:
+        raise SystemExit(
+            f"--baseline {revision}: git show failed ({shown.stderr.strip()}); give a commit of this repository"
+        )
+    path = folder / "baseline_attention.py"
+    path.write_text(shown.stdout)
+    name = f"{backends.__package__}._baseline_attention"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module._attend_by_distance
+
+
 def held_mib(model) -> float:
     """MiB of the buffers `model` keeps on this thread after its last inference call."""
     workspace = backends.inference_workspace(model.encoder) or {}
@@ -51,17 +78,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--held-lengths", nargs="*", type=int, default=[512, 2048, 4096])
+    parser.add_argument("--baseline", metavar="REV", help="also time `_attend_by_distance` as at this git revision")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    variants = dict(VARIANTS)
     with tempfile.TemporaryDirectory() as folder:
         models = build_models(args.layers, Path(folder), ["sdpa"], False)
+        if args.baseline:
+            variants[f"at-{args.baseline}"] = {"_attend_by_distance": baseline_attention(args.baseline, Path(folder))}
     ours, bert = models["ours-sdpa"], models["bert-sdpa"]
-    defaults = {name: getattr(backends, name) for settings in VARIANTS.values() for name in settings}
+    defaults = {name: getattr(backends, name) for settings in variants.values() for name in settings}
+
+    workspaces = {}  # each variant keeps its own buffers, as a model running only that variant would
 
     def call(variant: str, inputs) -> float:
-        for name, value in {**defaults, **VARIANTS[variant]}.items():
+        for name, value in {**defaults, **variants[variant]}.items():
             setattr(backends, name, value)
+        if backends.KEEP_WORKSPACE:
+            backends.inference_workspace(ours.encoder)  # makes this thread's {module: workspace} map
+            backends._workspaces.by_module[ours.encoder] = workspaces.setdefault(variant, {})
         return time_once(ours, inputs, False)
 
     print(f"{machine.describe()}; {args.layers} layers; median of {args.repeats} interleaved rounds")
@@ -70,15 +106,15 @@ def main(argv: list[str] | None = None) -> None:
             batch, length = (int(part) for part in case.split("x"))
             inputs = inputs_for(batch, length, padded=True)
             outputs = {}
-            for variant in VARIANTS:
+            for variant in variants:
                 call(variant, inputs)
                 with torch.inference_mode():
                     outputs[variant] = ours(**inputs).last_hidden_state
                 if not torch.equal(outputs[variant], outputs["as-is"]):
                     raise SystemExit(f"{variant} changes the outputs at {case}")
-            times = {name: [] for name in [*VARIANTS, "bert-sdpa"]}
+            times = {name: [] for name in [*variants, "bert-sdpa"]}
             for _ in range(args.repeats):
-                for variant in VARIANTS:
+                for variant in variants:
                     times[variant].append(call(variant, inputs))
                 times["bert-sdpa"].append(time_once(bert, inputs, False))
             bert_time = statistics.median(times["bert-sdpa"])

@@ -136,9 +136,11 @@ def test_cpu_inference_variants_run_and_restore_the_module_constants(capsys):
     from benchmarks import cpu_inference
     from disentangled.modeling import disentangled_attention as backends
 
-    before = {name: getattr(backends, name) for name in ("KEEP_WORKSPACE", "ADD_CHUNK_KEYS", "DISTANCE_KEY_BAND")}
-    cpu_inference.main(["--cases", "2x96", "--layers", "1", "--repeats", "1", "--held-lengths", "96"])
+    names = ("KEEP_WORKSPACE", "ADD_CHUNK_KEYS", "DISTANCE_KEY_BAND", "PRODUCT_COLUMNS_MULTIPLE", "_attend_by_distance")
+    before = {name: getattr(backends, name) for name in names}
+    arguments = ["--cases", "2x96", "--layers", "1", "--repeats", "1", "--held-lengths", "96", "--baseline", "HEAD"]
+    cpu_inference.main(arguments)
     printed = capsys.readouterr().out
-    assert all(f"| {variant} |" in printed for variant in cpu_inference.VARIANTS)
+    assert all(f"| {variant} |" in printed for variant in [*cpu_inference.VARIANTS, "at-HEAD"])
     assert "| 96 |" in printed and " MiB |" in printed
     assert before == {name: getattr(backends, name) for name in before}
