@@ -842,6 +842,12 @@ def _fill_padded_keys(table: Tensor, mask: Tensor, chunk: slice, value: float) -
             (table[sequence] if len(mask) > 1 else table.transpose(0, 1)).index_fill_(-2, padded, value)
 
 
+def _dot_each(rows: Tensor, vector: Tensor) -> Tensor:
+    """[g, H, n, D] rows against one [H, D] vector per head: [g, H, n]. (matmul with a [D, 1] operand runs a
+    matrix-vector bmm about 20x slower on the CPU than the [1, D] x [D, n] product einsum chooses.)"""
+    return torch.einsum("ghnd,hd->ghn", rows, vector)
+
+
 def _merge_far_parts(
     far: tuple[RelativePositions, Tensor | None, Tensor | None],
     query: Tensor,
@@ -867,7 +873,7 @@ def _merge_far_parts(
         column = positions.far_columns[side]
         key_bias = query.new_zeros(1, 1, length)
         if pos_query is not None:
-            key_bias = torch.matmul(key, pos_query[:, column, :, None]).squeeze(-1)  # [g, H, L]: k_j . Qr[column]
+            key_bias = _dot_each(key, pos_query[:, column])  # [g, H, L]: k_j . Qr[column]
         if mask is not None:
             key_bias = key_bias.masked_fill(~mask[:, 0], torch.finfo(query.dtype).min)
         far_left = side == 1  # rows [shift, L) against keys [0, L - shift): a causal mask
@@ -880,7 +886,7 @@ def _merge_far_parts(
         if not far_left:
             part, lse = part.flip(-2), lse.flip(-1)
         if pos_key is not None:  # the row constant q_i . Kr[column]
-            lse = lse + torch.matmul(query[:, :, rows], pos_key[:, column, :, None]).squeeze(-1).float()
+            lse = lse + _dot_each(query[:, :, rows], pos_key[:, column]).float()
         parts.append((part, lse, rows))
     total = band_lse.clone()
     for _, lse, rows in parts:
