@@ -6,7 +6,7 @@
 
 Times the model as it stands against variants that each undo one choice (module constants of
 `disentangled.modeling.disentangled_attention`), interleaved with a same-size BERT with sdpa; prints medians and
-ratios to BERT. Every variant's output is checked equal to the model's. Variants:
+ratios to BERT. Every variant's output is checked equal to the model's (a `--baseline` one to 1e-5). Variants:
 
 - `fresh-buffers`: every call allocates its T, U and bias buffers (KEEP_WORKSPACE=False), as before they were kept;
 - `whole-row-add`: the add of the c2p and p2c views over whole block rows (ADD_CHUNK_KEYS above any length);
@@ -110,7 +110,9 @@ def main(argv: list[str] | None = None) -> None:
                 call(variant, inputs)
                 with torch.inference_mode():
                     outputs[variant] = ours(**inputs).last_hidden_state
-                if not torch.equal(outputs[variant], outputs["as-is"]):
+                # the variants only regroup the same sums: equal; an earlier commit may sum in another order
+                tolerance = 1e-5 if variant.startswith("at-") else 0.0
+                if not torch.allclose(outputs[variant], outputs["as-is"], rtol=tolerance, atol=tolerance):
                     raise SystemExit(f"{variant} changes the outputs at {case}")
             times = {name: [] for name in [*variants, "bert-sdpa"]}
             for _ in range(args.repeats):
