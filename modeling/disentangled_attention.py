@@ -844,7 +844,7 @@ def _fill_padded_keys(table: Tensor, mask: Tensor, chunk: slice, value: float) -
 
 def _dot_each(rows: Tensor, vector: Tensor) -> Tensor:
     """[g, H, n, D] rows against one [H, D] vector per head: [g, H, n]. (matmul with a [D, 1] operand runs a
-    matrix-vector bmm about 20x slower on the CPU than the [1, D] x [D, n] product einsum chooses.)"""
+    matrix-vector bmm, many times slower on the CPU than the [1, D] x [D, n] product einsum chooses.)"""
     return torch.einsum("ghnd,hd->ghn", rows, vector)
 
 
