@@ -3,6 +3,7 @@
     python -m benchmarks.cpu_inference                            # 4x512 and 1x2048, 2 layers
     python -m benchmarks.cpu_inference --cases 1x2048 --repeats 15
     python -m benchmarks.cpu_inference --baseline fcb26f5       # also the by-distance path of an earlier commit
+    python -m benchmarks.cpu_inference --products               # only the T / U product shapes, alone
 
 Times the model as it stands against variants that each undo one choice (module constants of
 `disentangled.modeling.disentangled_attention`), interleaved with a same-size BERT with sdpa; prints medians and
@@ -26,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -64,6 +66,27 @@ def baseline_attention(revision: str, folder: Path):
     return module._attend_by_distance
 
 
+PRODUCT_SHAPES = [(512, 255), (512, 256), (128, 639), (128, 640), (192, 1017), (192, 1024)]  # (rows, columns)
+
+
+def product_timings(repeats: int) -> None:
+    """The T / U products alone ([12, rows, 64] x [12, 64, columns], the shapes 8x128, 4x512 and 1x2048 run): into
+    a contiguous out= and into a column slice of a wider buffer (a strided out=), median milliseconds."""
+    print("\n| rows x columns | contiguous out | strided out |\n|---|---|---|")
+    for rows, columns in PRODUCT_SHAPES:
+        left, right = torch.randn(12, rows, 64), torch.randn(12, columns, 64)
+        contiguous, wider = torch.empty(12, rows, columns), torch.empty(12, rows, columns + 16)
+        medians = []
+        for out in (contiguous, wider[..., 8 : 8 + columns]):
+            times = []
+            for _ in range(repeats + 2):  # two warm-up calls
+                start = time.perf_counter()
+                torch.bmm(left, right.mT, out=out)
+                times.append(time.perf_counter() - start)
+            medians.append(statistics.median(times[2:]) * 1e3)
+        print(f"| {rows} x {columns} | {medians[0]:.2f} ms | {medians[1]:.2f} ms |")
+
+
 def held_mib(model) -> float:
     """MiB of the buffers `model` keeps on this thread after its last inference call."""
     workspace = backends.inference_workspace(model.encoder) or {}
@@ -79,9 +102,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--held-lengths", nargs="*", type=int, default=[512, 2048, 4096])
     parser.add_argument("--baseline", metavar="REV", help="also time `_attend_by_distance` as at this git revision")
+    parser.add_argument("--products", action="store_true", help="only time the T / U product shapes, alone")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.products:
+        print(f"{machine.describe()}; median of {args.repeats * 5} calls")
+        product_timings(args.repeats * 5)
+        return
     variants = dict(VARIANTS)
     with tempfile.TemporaryDirectory() as folder:
         models = build_models(args.layers, Path(folder), ["sdpa"], False)

@@ -144,3 +144,13 @@ def test_cpu_inference_variants_run_and_restore_the_module_constants(capsys):
     assert all(f"| {variant} |" in printed for variant in [*cpu_inference.VARIANTS, "at-HEAD"])
     assert "| 96 |" in printed and " MiB |" in printed
     assert before == {name: getattr(backends, name) for name in before}
+
+
+def test_cpu_inference_products_print_both_layouts_for_each_shape(capsys):
+    from benchmarks import cpu_inference
+
+    cpu_inference.main(["--products", "--repeats", "1"])
+    printed = capsys.readouterr().out
+    rows = [line for line in printed.splitlines() if line.startswith("| ") and " x " in line and "ms |" in line]
+    assert [row.split(" |")[0] for row in rows] == [f"| {r} x {c}" for r, c in cpu_inference.PRODUCT_SHAPES]
+    assert all(row.count(" ms |") == 2 for row in rows)
