@@ -578,7 +578,8 @@ DISTANCE_TABLE_ELEMENTS = 1 << 25
 # tokens, bands of 128 compute 5/8 of the rectangle; `python -m benchmarks.cpu_inference` times 512 against it)
 DISTANCE_KEY_BAND = 128
 # Columns of each T and U product rounded up to a multiple of this (spare columns are computed and never read):
-# MKL's sgemm with K = 64 runs N = 255 or 1,017 columns up to 1.4x slower than 256 or 1,024 on AVX-512.
+# 64-deep products of 255, 639 or 1,017 columns took 1.1-1.9x the time of 256, 640 or 1,024 on an AVX-512 EPYC
+# (`python -m benchmarks.cpu_inference --products`).
 PRODUCT_COLUMNS_MULTIPLE = 16
 
 
@@ -821,9 +822,9 @@ def _product_columns(
     """table[..., columns] = rows [g, H, n, D] against relative[:, columns]; `table` is [H, g * n, E], a view.
 
     The product is widened to a multiple of PRODUCT_COLUMNS_MULTIPLE columns (`relative` has spare rows), which
-    may be written into the table up to column `limit`. torch.bmm writes a strided out= one head at a time, 1.5-3x
-    slower than a contiguous one on the CPU: where the columns are not contiguous rows of the table, the product
-    goes through a contiguous buffer and is copied in."""
+    may be written into the table up to column `limit`. torch.bmm writes a strided out= one head at a time (1.1-3x
+    the time of a contiguous one on the CPU, `benchmarks.cpu_inference --products`): where the columns are not
+    contiguous rows of the table, the product goes through a contiguous buffer and is copied in."""
     count = columns.stop - columns.start
     wide = slice(columns.start, columns.start + _round_up(count))
     if wide.stop <= limit and table[..., wide].is_contiguous():
