@@ -107,8 +107,9 @@ class RelativePositions:
     # and `far_columns[1]` for every d >= near[1]. Python ints, so that reading them costs no device sync.
     near: tuple[int, int] = (0, 0)
     far_columns: tuple[int, int] = (0, 0)
-    # Buffers that the blocks and layers of a forward reuse (sdpa's CPU inference: T, U and the bias): a tensor
-    # above glibc's mmap threshold (32 MiB) is fresh memory on every allocation, whose pages fault on first touch.
+    # Buffers that the blocks and layers of a forward reuse (sdpa's CPU inference: T, U, a band of U, the bias):
+    # a tensor above glibc's mmap threshold (32 MiB) is fresh memory on every allocation, whose pages fault on
+    # first touch.
     # In inference the encoder passes `inference_workspace(encoder)`, so that later forwards reuse them too.
     workspace: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -178,7 +179,7 @@ def inference_workspace(module: torch.nn.Module) -> dict | None:
     """The buffers `module`'s inference forwards share on this thread (see `RelativePositions.workspace`).
 
     Kept between calls, as a caching allocator would keep them, so that a forward over a few thousand tokens does
-    not fault in a fresh 130 MiB table each time: one p2c table and two block buffers (`benchmarks.cpu_inference`
+    not fault in a fresh 130 MiB table each time: one p2c table and three block buffers (`benchmarks.cpu_inference`
     times fresh ones and prints what is held after a call). Per thread, so that threads serving one model never
     share a buffer; `release_workspace(model)` frees them."""
     if not KEEP_WORKSPACE:
@@ -677,16 +678,17 @@ def _attend_by_distance(
                 count, members = block_high - block_low + 1, sequences.stop - sequences.start
                 # Distances outside the band (T's first `above` and last `below` columns) are the far parts' keys:
                 # U's -inf masks them, so T holds only the band's columns and the view reads whatever lies
-                # before or after a row there (finite: other rows' products, or the zeroed margins). Without
-                # p2c, T holds every column and its out-of-band ones are -inf.
+                # before or after a row there: other rows' products, or past the last row, up to `below` zeroed
+                # elements (the first read, column rows - 1 - above of row 0, is never before the product: a
+                # block's keys start near_high - 1 before its rows, so above < rows). Without p2c, T holds every
+                # column and its out-of-band ones are -inf.
                 above, below = max(0, block_high - near_high + 1), max(0, near_low - block_low + 1)
                 skip_above, skip_below = (above, below) if pos_query is not None else (0, 0)
                 width = _round_up(count - skip_above - skip_below)
                 size = heads * members * shape[0] * width
-                buffer = _scratch(positions, "c2p", (skip_above + size + skip_below,), query)
-                buffer[:skip_above].zero_()
-                buffer[skip_above + size :].zero_()
-                product = buffer[skip_above : skip_above + size].view(heads, members * shape[0], width)
+                buffer = _scratch(positions, "c2p", (size + skip_below,), query)
+                buffer[size:].zero_()
+                product = buffer[:size].view(heads, members * shape[0], width)
                 start = length - 1 - block_high + skip_above
                 _by_head(group_query[:, :, rows], kr_descending[:, start : start + width], out=product)
                 if pos_query is None:
