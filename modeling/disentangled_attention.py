@@ -824,7 +824,7 @@ def _product_columns(
     """table[..., columns] = rows [g, H, n, D] against relative[:, columns]; `table` is [H, g * n, E], a view.
 
     The product is widened to a multiple of PRODUCT_COLUMNS_MULTIPLE columns (`relative` has spare rows), which
-    may be written into the table up to column `limit`. torch.bmm writes a strided out= one head at a time (1.1-3x
+    may be written into the table up to column `limit`. torch.bmm writes a strided out= one head at a time (up to 3x
     the time of a contiguous one on the CPU, `benchmarks.cpu_inference --products`): where the columns are not
     contiguous rows of the table, the product goes through a contiguous buffer and is copied in."""
     count = columns.stop - columns.start
