@@ -9,7 +9,7 @@ Times the model as it stands against variants that each undo one choice (module 
 `disentangled.modeling.disentangled_attention`), interleaved with a same-size BERT with sdpa; prints medians and
 ratios to BERT. Every variant's output is checked equal to the model's (a `--baseline` one to 1e-5). Variants:
 
-- `fresh-buffers`: every call allocates its T and U buffers (KEEP_WORKSPACE=False), as before they were kept;
+- `fresh-buffers`: every call allocates its T, U and bias buffers (KEEP_WORKSPACE=False), as before they were kept;
 - `whole-row-add`: the add of the c2p and p2c views over whole block rows (ADD_CHUNK_KEYS above any length);
 - `u-in-512-key-bands`: U for one sequence in 512-key bands (DISTANCE_KEY_BAND=512);
 - `unpadded-products`: T and U products of their exact widths (PRODUCT_COLUMNS_MULTIPLE=1), not multiples of 16;

@@ -676,17 +676,27 @@ def _attend_by_distance(
             if pos_key is not None:  # c2p = T[a, (last - 1 - k0) - d], d = first + a - k0 - b
                 block_high, block_low = rows.stop - 1 - keys.start, rows.start - keys.stop + 1
                 count, members = block_high - block_low + 1, sequences.stop - sequences.start
-                width = _round_up(count)
-                product = _scratch(positions, "c2p", (heads, members * shape[0], width), query)
-                start = length - 1 - block_high
+                # Distances outside the band (T's first `above` and last `below` columns) are the far parts' keys:
+                # U's -inf masks them, so T holds only the band's columns and the view reads whatever lies
+                # before or after a row there: other rows' products, or past the last row, up to `below` zeroed
+                # elements (the first read, column rows - 1 - above of row 0, is never before the product: a
+                # block's keys start near_high - 1 before its rows, so above < rows). Without p2c, T holds every
+                # column and its out-of-band ones are -inf.
+                above, below = max(0, block_high - near_high + 1), max(0, near_low - block_low + 1)
+                skip_above, skip_below = (above, below) if pos_query is not None else (0, 0)
+                width = _round_up(count - skip_above - skip_below)
+                size = heads * members * shape[0] * width
+                buffer = _scratch(positions, "c2p", (size + skip_below,), query)
+                buffer[size:].zero_()
+                product = buffer[:size].view(heads, members * shape[0], width)
+                start = length - 1 - block_high + skip_above
                 _by_head(group_query[:, :, rows], kr_descending[:, start : start + width], out=product)
-                if pos_query is None:  # the far parts' keys (T's first `above` and last `below` columns): -inf
-                    above, below = max(0, block_high - near_high + 1), max(0, near_low - block_low + 1)
+                if pos_query is None:
                     product[..., :above] = float("-inf")
                     product[..., count - below : count] = float("-inf")
                 table_c2p = product.view(heads, members, shape[0], width).transpose(0, 1)
                 row, column = table_c2p.stride(2), table_c2p.stride(3)
-                bias = _skewed(table_c2p, (shape[0] - 1) * column, row - column, column, shape)
+                bias = _skewed(table_c2p, (shape[0] - 1 - skip_above) * column, row - column, column, shape)
             if pos_query is not None:  # p2c = U[j - c0, d - low]
                 if keys.start < chunk.start or keys.stop > chunk.stop:
                     chunk = slice(keys.start, min(length, keys.start + chunk_keys))
@@ -696,9 +706,11 @@ def _attend_by_distance(
                 row, column = table.stride(2), table.stride(3)
                 offset = (keys.start - chunk.start) * row + (rows.start - keys.start - low) * column
                 p2c = _skewed(table, offset, column, row - column, shape)
-                # Row a of the c2p view reads its own row of T (columns rows - 1 - a onwards, each once), so the sum
-                # goes into T, and SDPA reads that view as its mask (the CPU flash kernel takes any strides).
-                bias = p2c if bias is None else _add_by_key_chunks(bias, p2c)
+                # Where T holds every column of the block, its view reads each element once: the sum can go
+                # into T itself (one buffer less for the cache to hold); otherwise into a buffer of its own.
+                in_place = bias is not None and skip_above == skip_below == 0
+                out = bias if in_place else _scratch(positions, "bias", p2c.shape, query)
+                bias = _add_by_key_chunks(bias, p2c, out)
             if group_mask is not None and not fill_keys:
                 bias = bias.masked_fill(~_block_mask(group_mask, slice(None), rows.start, rows.stop)[..., keys], lowest)
             block_query = group_query[:, :, rows]
@@ -748,16 +760,20 @@ def _scratch(positions: RelativePositions, kind: str, shape: tuple[int, ...], li
 ADD_CHUNK_KEYS = 512  # keys per add of the c2p and p2c views (see `_add_by_key_chunks`)
 
 
-def _add_by_key_chunks(c2p: Tensor, p2c: Tensor) -> Tensor:
-    """c2p += p2c ([g, H, rows, keys] views of T and U), `ADD_CHUNK_KEYS` keys at a time; returns c2p.
+def _add_by_key_chunks(c2p: Tensor | None, p2c: Tensor, out: Tensor) -> Tensor:
+    """out = c2p + p2c ([g, H, rows, keys] views of T and U; c2p may be None, `out` may be c2p itself),
+    `ADD_CHUNK_KEYS` keys at a time.
 
     Along a row of the block, the p2c view steps from one row of U to the next, one cache line per key; the next
     query row reads the same lines one element on. In chunks of 512 keys those lines (32 KiB) stay in L1 from one
     query row to the next; a whole row of 1,000 keys or more would not (`benchmarks.cpu_inference` times both)."""
     for first in range(0, p2c.shape[-1], ADD_CHUNK_KEYS):
         keys = slice(first, first + ADD_CHUNK_KEYS)
-        c2p[..., keys].add_(p2c[..., keys])
-    return c2p
+        if c2p is None:
+            out[..., keys].copy_(p2c[..., keys])
+        else:
+            torch.add(c2p[..., keys], p2c[..., keys], out=out[..., keys])
+    return out
 
 
 def _by_head(rows: Tensor, relative: Tensor, out: Tensor | None = None) -> Tensor:
