@@ -179,7 +179,7 @@ def inference_workspace(module: torch.nn.Module) -> dict | None:
     """The buffers `module`'s inference forwards share on this thread (see `RelativePositions.workspace`).
 
     Kept between calls, as a caching allocator would keep them, so that a forward over a few thousand tokens does
-    not fault in a fresh 130 MiB table each time: one p2c table and up to three block buffers (`benchmarks.cpu_inference`
+    not fault in a fresh 130 MiB table each time: one p2c table and three block buffers (`benchmarks.cpu_inference`
     times fresh ones and prints what is held after a call). Per thread, so that threads serving one model never
     share a buffer; `release_workspace(model)` frees them."""
     if not KEEP_WORKSPACE:
@@ -706,11 +706,7 @@ def _attend_by_distance(
                 row, column = table.stride(2), table.stride(3)
                 offset = (keys.start - chunk.start) * row + (rows.start - keys.start - low) * column
                 p2c = _skewed(table, offset, column, row - column, shape)
-                # Where T holds every column of the block, its view reads each element once: the sum can go
-                # into T itself (one buffer less for the cache to hold); otherwise into a buffer of its own.
-                in_place = bias is not None and skip_above == skip_below == 0
-                out = bias if in_place else _scratch(positions, "bias", p2c.shape, query)
-                bias = _add_by_key_chunks(bias, p2c, out)
+                bias = _add_by_key_chunks(bias, p2c, _scratch(positions, "bias", p2c.shape, query))
             if group_mask is not None and not fill_keys:
                 bias = bias.masked_fill(~_block_mask(group_mask, slice(None), rows.start, rows.stop)[..., keys], lowest)
             block_query = group_query[:, :, rows]
@@ -761,8 +757,7 @@ ADD_CHUNK_KEYS = 512  # keys per add of the c2p and p2c views (see `_add_by_key_
 
 
 def _add_by_key_chunks(c2p: Tensor | None, p2c: Tensor, out: Tensor) -> Tensor:
-    """out = c2p + p2c ([g, H, rows, keys] views of T and U; c2p may be None, `out` may be c2p itself),
-    `ADD_CHUNK_KEYS` keys at a time.
+    """out = c2p + p2c ([g, H, rows, keys] views of T and U; c2p may be None), `ADD_CHUNK_KEYS` keys at a time.
 
     Along a row of the block, the p2c view steps from one row of U to the next, one cache line per key; the next
     query row reads the same lines one element on. In chunks of 512 keys those lines (32 KiB) stay in L1 from one

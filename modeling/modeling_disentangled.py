@@ -513,8 +513,8 @@ class DisentangledPreTrainedModel(PreTrainedModel):
     _keys_to_ignore_on_load_unexpected = [r"position_embeddings", r"mask_predictions\.", r"encoder\.LayerNorm\."]
 
     def release_workspace(self) -> None:
-        """Free the buffers that sdpa's CPU inference keeps between calls on this thread (a p2c table and up to
-        three block buffers, growing with the input up to a few thousand tokens; the next call allocates them again)."""
+        """Free the buffers that sdpa's CPU inference keeps between calls on this thread (a p2c table and three
+        block buffers, growing with the input up to a few thousand tokens; the next call allocates them again)."""
         release_workspace(self)
 
     def _init_weights(self, module: nn.Module) -> None:
