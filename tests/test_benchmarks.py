@@ -154,3 +154,20 @@ def test_cpu_inference_products_print_both_layouts_for_each_shape(capsys):
     rows = [line for line in printed.splitlines() if line.startswith("| ") and " x " in line and "ms |" in line]
     assert [row.split(" |")[0] for row in rows] == [f"| {r} x {c}" for r, c in cpu_inference.PRODUCT_SHAPES]
     assert all(row.count(" ms |") == 2 for row in rows)
+
+
+def test_cpu_inference_in_fresh_processes_prints_the_median_and_range_of_each_ratio(capsys):
+    """--processes runs the comparison in child processes (only the chosen variants) and sums their ratios up."""
+    from benchmarks import cpu_inference
+
+    arguments = ["--cases", "2x96", "--layers", "1", "--repeats", "1", "--variants", "unpadded-products"]
+    cpu_inference.main([*arguments, "--processes", "2"])
+    summary = capsys.readouterr().out.split("2 processes: ratio to bert-sdpa")[1]
+    rows = [line.split(" | ") for line in summary.splitlines() if line.startswith("| ") and "x96" not in line]
+    assert [row[0] for row in rows] == ["| as-is", "| unpadded-products", "| bert-sdpa"]
+    low, high = (float(value) for value in rows[-1][2].rstrip(" |").split("-"))
+    assert low == high == 1.0  # BERT against itself, in every process
+    assert cpu_inference.strip_option(["--processes", "3", "--cases", "1x8", "--processes=2"], "--processes") == [
+        "--cases",
+        "1x8",
+    ]
