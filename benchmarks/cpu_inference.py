@@ -114,12 +114,16 @@ def in_processes(args: argparse.Namespace, argv: list[str]) -> None:
             if done.returncode != 0:
                 raise SystemExit(f"process {number + 1} of {args.processes} failed (exit {done.returncode})")
             runs.append(json.loads(results.read_text()))
-    print(f"\n{args.processes} processes: ratio to bert-sdpa, median over the processes (lowest-highest)")
+    print(f"\n{args.processes} processes: medians over the processes (lowest-highest) of each ratio, to BERT-sdpa and")
+    print("to the model as it stands (measured in the same process)")
     for case in runs[0]:
-        print(f"\n| {case} | / bert-sdpa | range |\n|---|---|---|")
+        print(f"\n| {case} | / bert-sdpa | range | / as-is | range |\n|---|---|---|---|---|")
         for name in runs[0][case]:
-            values = [run[case][name] for run in runs]
-            print(f"| {name} | {statistics.median(values):.2f} | {min(values):.2f}-{max(values):.2f} |")
+            cells = []
+            for reference in ("bert-sdpa", "as-is"):
+                values = [run[case][name] / run[case][reference] for run in runs]
+                cells.append(f"{statistics.median(values):.2f} | {min(values):.2f}-{max(values):.2f}")
+            print(f"| {name} | {' | '.join(cells)} |")
 
 
 def strip_option(argv: list[str], option: str) -> list[str]:
