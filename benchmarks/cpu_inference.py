@@ -19,10 +19,9 @@ ratios to BERT. Every variant's output is checked equal to the model's (a `--bas
 
 Then the buffers one call leaves held, per length (what `model.release_workspace()` frees).
 
-Ratios move between processes more than within one (on a 2-core EPYC, ours / BERT at 4x512 spread 1.12-1.36 over
-five processes while ours against an earlier commit stayed within 0.99-1.05): where the weights and buffers land
-decides part of it. `--processes N` runs the comparison in N fresh processes and prints each ratio's median over
-them with its range.
+Ratios move between processes by more than the repeats within one show (on a 2-core EPYC, ours / BERT at 4x512
+went from 1.20 to 1.37 over five processes). `--processes N` runs the comparison in N fresh processes and prints
+each ratio's median over them with its range, to BERT and to the model as it stands.
 """
 
 from __future__ import annotations
