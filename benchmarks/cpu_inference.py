@@ -101,8 +101,8 @@ def held_mib(model) -> float:
 
 
 def in_processes(args: argparse.Namespace, argv: list[str]) -> None:
-    """The comparison in `args.processes` fresh processes, one after another; per case, each ratio to BERT as the
-    median over the processes and its range."""
+    """The comparison in `args.processes` fresh processes, one after another; per case, each time's ratio to BERT's
+    and to the model's as it stands, measured in the same process: the median over the processes and the range."""
     child = [sys.executable, "-m", "benchmarks.cpu_inference", *strip_option(argv, "--processes")]
     root = Path(__file__).resolve().parent.parent
     runs = []
