@@ -10,7 +10,7 @@ Times the model as it stands against variants that each undo one choice (module 
 `disentangled.modeling.disentangled_attention`), interleaved with a same-size BERT with sdpa; prints medians and
 ratios to BERT. Every variant's output is checked equal to the model's (a `--baseline` one to 1e-5). Variants:
 
-- `fresh-buffers`: every call allocates its T, U and bias buffers (KEEP_WORKSPACE=False), as before they were kept;
+- `fresh-buffers`: every call allocates its buffers (KEEP_WORKSPACE=False), as before they were kept;
 - `whole-row-add`: the add of the c2p and p2c views over whole block rows (ADD_CHUNK_KEYS above any length);
 - `u-in-512-key-bands`: U for one sequence in 512-key bands (DISTANCE_KEY_BAND=512);
 - `unpadded-products`: T and U products of their exact widths (PRODUCT_COLUMNS_MULTIPLE=1), not multiples of 16;
@@ -103,13 +103,14 @@ def held_mib(model) -> float:
 def in_processes(args: argparse.Namespace, argv: list[str]) -> None:
     """The comparison in `args.processes` fresh processes, one after another; per case, each time's ratio to BERT's
     and to the model's as it stands, measured in the same process: the median over the processes and the range."""
-    child = [sys.executable, "-m", "benchmarks.cpu_inference", *strip_option(argv, "--processes")]
+    # the same arguments; argparse keeps the last of a repeated option, so these override the caller's
+    child = [sys.executable, "-m", "benchmarks.cpu_inference", *argv, "--processes", "1", "--held-lengths"]
     root = Path(__file__).resolve().parent.parent
     runs = []
     with tempfile.TemporaryDirectory() as folder:
         for number in range(args.processes):
             results = Path(folder) / f"process-{number}.json"
-            done = subprocess.run([*child, "--held-lengths", "--child-results", str(results)], cwd=root)
+            done = subprocess.run([*child, "--child-results", str(results)], cwd=root)
             if done.returncode != 0:
                 raise SystemExit(f"process {number + 1} of {args.processes} failed (exit {done.returncode})")
             runs.append(json.loads(results.read_text()))
@@ -123,19 +124,6 @@ def in_processes(args: argparse.Namespace, argv: list[str]) -> None:
                 values = [run[case][name] / run[case][reference] for run in runs]
                 cells.append(f"{statistics.median(values):.2f} | {min(values):.2f}-{max(values):.2f}")
             print(f"| {name} | {' | '.join(cells)} |")
-
-
-def strip_option(argv: list[str], option: str) -> list[str]:
-    """`argv` without `option` and its value (either `--option N` or `--option=N`)."""
-    kept, skip = [], False
-    for argument in argv:
-        if skip:
-            skip = False
-        elif argument == option:
-            skip = True
-        elif not argument.startswith(f"{option}="):
-            kept.append(argument)
-    return kept
 
 
 def main(argv: list[str] | None = None) -> None:
