@@ -578,6 +578,9 @@ DISTANCE_TABLE_ELEMENTS = 1 << 25
 # Keys per product of U for one sequence: a band of keys computes only the distances its keys are read at (at 512
 # tokens, bands of 128 compute 5/8 of the rectangle; `python -m benchmarks.cpu_inference` times 512 against it)
 DISTANCE_KEY_BAND = 128
+# Query rows per product of T where every row reads every key (no far parts): T over n rows holds n + keys - 1
+# distances a row, and each row reads `keys` of them
+C2P_ROWS = 64
 # Columns of each T and U product rounded up to a multiple of this (spare columns are computed and never read):
 # 64-deep products of 255, 639 or 1,017 columns took 1.1-1.9x the time of 256, 640 or 1,024 on an AVX-512 EPYC
 # (`python -m benchmarks.cpu_inference --products`).
@@ -586,6 +589,23 @@ PRODUCT_COLUMNS_MULTIPLE = 16
 
 def _round_up(columns: int) -> int:
     return -(-columns // PRODUCT_COLUMNS_MULTIPLE) * PRODUCT_COLUMNS_MULTIPLE
+
+
+# Along a row of a block, the p2c view steps (row stride - 1) elements of U from one key to the next. Where that step
+# is within this many bytes of a multiple of 4 KiB, each load falls on the 4 KiB offsets of the add's recent stores
+# (4K aliasing: the processor holds the load back as if it depended on them). At 512 tokens U's rows are 1,024
+# floats, and the add took about twice the time it takes with rows of 1,072 (`python -m benchmarks.cpu_inference`,
+# variant `aliased-table-rows`).
+ALIASING_MARGIN_BYTES = 128
+
+
+def _table_width(distances: int, element_size: int) -> int:
+    """U's row stride for `distances` columns: a multiple of PRODUCT_COLUMNS_MULTIPLE whose key step, in bytes, is
+    at least ALIASING_MARGIN_BYTES away from every multiple of 4 KiB."""
+    width = _round_up(distances)
+    while abs(((width - 1) * element_size + 2048) % 4096 - 2048) < ALIASING_MARGIN_BYTES:
+        width += PRODUCT_COLUMNS_MULTIPLE
+    return width
 
 
 def _with_spare_rows(index: Tensor) -> Tensor:
@@ -672,41 +692,31 @@ def _attend_by_distance(
         band_parts = []
         for rows, keys in blocks:
             shape = (rows.stop - rows.start, keys.stop - keys.start)
+            if pos_query is not None and (keys.start < chunk.start or keys.stop > chunk.stop):
+                chunk = slice(keys.start, min(length, keys.start + chunk_keys))
+                table = _distance_table(group_key, qr_ascending, chunk, chunk_keys, low, band, positions)
+                if fill_keys:  # in the band's columns only, so that the -inf outside it stays
+                    _fill_padded_keys(table[..., band.start - low : band.stop - low + 1], group_mask, chunk, lowest)
+            # Without the far parts every row reads every key, and T over a block's rows holds rows + keys - 1
+            # distances a row; in sub-blocks of C2P_ROWS rows it holds C2P_ROWS + keys - 1.
+            step = C2P_ROWS if not split else shape[0]
+            parts = [slice(first, min(first + step, rows.stop)) for first in range(rows.start, rows.stop, step)]
             bias = None
-            if pos_key is not None:  # c2p = T[a, (last - 1 - k0) - d], d = first + a - k0 - b
-                block_high, block_low = rows.stop - 1 - keys.start, rows.start - keys.stop + 1
-                count, members = block_high - block_low + 1, sequences.stop - sequences.start
-                # Distances outside the band (T's first `above` and last `below` columns) are the far parts' keys:
-                # U's -inf masks them, so T holds only the band's columns and the view reads whatever lies
-                # before or after a row there: other rows' products, or past the last row, up to `below` zeroed
-                # elements (the first read, column rows - 1 - above of row 0, is never before the product: a
-                # block's keys start near_high - 1 before its rows, so above < rows). Without p2c, T holds every
-                # column and its out-of-band ones are -inf.
-                above, below = max(0, block_high - near_high + 1), max(0, near_low - block_low + 1)
-                skip_above, skip_below = (above, below) if pos_query is not None else (0, 0)
-                width = _round_up(count - skip_above - skip_below)
-                size = heads * members * shape[0] * width
-                buffer = _scratch(positions, "c2p", (size + skip_below,), query)
-                buffer[size:].zero_()
-                product = buffer[:size].view(heads, members * shape[0], width)
-                start = length - 1 - block_high + skip_above
-                _by_head(group_query[:, :, rows], kr_descending[:, start : start + width], out=product)
-                if pos_query is None:
-                    product[..., :above] = float("-inf")
-                    product[..., count - below : count] = float("-inf")
-                table_c2p = product.view(heads, members, shape[0], width).transpose(0, 1)
-                row, column = table_c2p.stride(2), table_c2p.stride(3)
-                bias = _skewed(table_c2p, (shape[0] - 1 - skip_above) * column, row - column, column, shape)
-            if pos_query is not None:  # p2c = U[j - c0, d - low]
-                if keys.start < chunk.start or keys.stop > chunk.stop:
-                    chunk = slice(keys.start, min(length, keys.start + chunk_keys))
-                    table = _distance_table(group_key, qr_ascending, chunk, chunk_keys, low, band, positions)
-                    if fill_keys:  # in the band's columns only, so that the -inf outside it stays
-                        _fill_padded_keys(table[..., band.start - low : band.stop - low + 1], group_mask, chunk, lowest)
-                row, column = table.stride(2), table.stride(3)
-                offset = (keys.start - chunk.start) * row + (rows.start - keys.start - low) * column
-                p2c = _skewed(table, offset, column, row - column, shape)
-                bias = _add_by_key_chunks(bias, p2c, _scratch(positions, "bias", p2c.shape, query))
+            for part in parts:
+                terms = []
+                if pos_key is not None:
+                    near, whole = (near_low, near_high), pos_query is None
+                    terms.append(_c2p_by_distance(group_query, kr_descending, part, keys, near, whole, positions))
+                if pos_query is not None:  # p2c = U[j - c0, d - low]
+                    row, column = table.stride(2), table.stride(3)
+                    offset = (keys.start - chunk.start) * row + (part.start - keys.start - low) * column
+                    terms.append(_skewed(table, offset, column, row - column, (part.stop - part.start, shape[1])))
+                if len(parts) == 1 and len(terms) == 1:  # the view itself is the bias
+                    bias = terms[0]
+                    break
+                if bias is None:
+                    bias = _scratch(positions, "bias", (*terms[0].shape[:2], *shape), query)
+                _add_by_key_chunks(terms, out=bias[:, :, part.start - rows.start : part.stop - rows.start])
             if group_mask is not None and not fill_keys:
                 bias = bias.masked_fill(~_block_mask(group_mask, slice(None), rows.start, rows.stop)[..., keys], lowest)
             block_query = group_query[:, :, rows]
@@ -737,6 +747,44 @@ def _attend_by_distance(
     return context
 
 
+def _c2p_by_distance(
+    query: Tensor,
+    kr_descending: Tensor,
+    rows: slice,
+    keys: slice,
+    near: tuple[int, int],
+    whole: bool,
+    positions: RelativePositions,
+) -> Tensor:
+    """c2p of query rows `rows` against keys `keys`: [g, H, rows, keys], a skewed view of T = q_rows Kr[δ(d)]ᵀ over
+    the distances d the block reads, descending (c2p[i, j] = T[i - first, high - d], d = i - j).
+
+    Distances outside the band are the far parts' keys (T's first `above` and last `below` columns). With a p2c
+    term, U's -inf masks them, so T holds only the band's columns and the view reads whatever lies before or after
+    a row there: other rows' products, or past the last row, up to `below` zeroed elements (the first read,
+    column rows - 1 - above of row 0, is never before the product: a block's keys start near_high - 1 before its
+    rows, so above < rows). `whole` (no p2c term): T holds every column, and its out-of-band ones are -inf."""
+    (near_low, near_high), (members, heads, length, _) = near, query.shape
+    shape = (rows.stop - rows.start, keys.stop - keys.start)
+    high, low = rows.stop - 1 - keys.start, rows.start - keys.stop + 1
+    count = high - low + 1
+    above, below = max(0, high - near_high + 1), max(0, near_low - low + 1)
+    skip_above, skip_below = (0, 0) if whole else (above, below)
+    width = _round_up(count - skip_above - skip_below)
+    size = heads * members * shape[0] * width
+    buffer = _scratch(positions, "c2p", (size + skip_below,), query)
+    buffer[size:].zero_()
+    product = buffer[:size].view(heads, members * shape[0], width)
+    start = length - 1 - high + skip_above
+    _by_head(query[:, :, rows], kr_descending[:, start : start + width], out=product)
+    if whole:
+        product[..., :above] = float("-inf")
+        product[..., count - below : count] = float("-inf")
+    table = product.view(heads, members, shape[0], width).transpose(0, 1)
+    row, column = table.stride(2), table.stride(3)
+    return _skewed(table, (shape[0] - 1 - skip_above) * column, row - column, column, shape)
+
+
 def _scratch(positions: RelativePositions, kind: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
     """A contiguous tensor of `shape` from a buffer of the workspace that only grows (a fresh allocation above
     glibc's mmap threshold costs page faults on every call; blocks, layers and later calls reuse this one)."""
@@ -756,18 +804,18 @@ def _scratch(positions: RelativePositions, kind: str, shape: tuple[int, ...], li
 ADD_CHUNK_KEYS = 512  # keys per add of the c2p and p2c views (see `_add_by_key_chunks`)
 
 
-def _add_by_key_chunks(c2p: Tensor | None, p2c: Tensor, out: Tensor) -> Tensor:
-    """out = c2p + p2c ([g, H, rows, keys] views of T and U; c2p may be None), `ADD_CHUNK_KEYS` keys at a time.
+def _add_by_key_chunks(views: list[Tensor], out: Tensor) -> Tensor:
+    """out = the sum of `views` (one or two [g, H, rows, keys] views of T and U), `ADD_CHUNK_KEYS` keys at a time.
 
     Along a row of the block, the p2c view steps from one row of U to the next, one cache line per key; the next
     query row reads the same lines one element on. In chunks of 512 keys those lines (32 KiB) stay in L1 from one
     query row to the next; a whole row of 1,000 keys or more would not (`benchmarks.cpu_inference` times both)."""
-    for first in range(0, p2c.shape[-1], ADD_CHUNK_KEYS):
+    for first in range(0, out.shape[-1], ADD_CHUNK_KEYS):
         keys = slice(first, first + ADD_CHUNK_KEYS)
-        if c2p is None:
-            out[..., keys].copy_(p2c[..., keys])
+        if len(views) == 1:
+            out[..., keys].copy_(views[0][..., keys])
         else:
-            torch.add(c2p[..., keys], p2c[..., keys], out=out[..., keys])
+            torch.add(views[0][..., keys], views[1][..., keys], out=out[..., keys])
     return out
 
 
@@ -791,7 +839,7 @@ def _distance_table(
     columns of distances outside `band` (inclusive) are -inf: there the far parts hold the keys."""
     length, (groups, heads, _, _) = positions.length, key.shape
     distances = qr_ascending.shape[-2] - (PRODUCT_COLUMNS_MULTIPLE - 1)  # high - low + 1
-    shape = (heads, groups, rows, _round_up(distances))  # rows padded: one product can write whole rows
+    shape = (heads, groups, rows, _table_width(distances, key.element_size()))  # a product can write whole rows
     name = (shape, low, band.start, band.stop, key.dtype, key.device)
     table = _scratch(positions, "distance table", shape, key)
     if positions.workspace.get("distance table layout") != name:  # one table at a time

@@ -239,9 +239,10 @@ def test_sdpa_inference_by_distance_matches_eager_at_every_position(monkeypatch,
     through rows of the p2c table (the dtype's minimum), keys outside the band through -inf columns, and the far
     keys run as shifted causal attention. Every position matches eager, padding included: right- and left-padded
     rows, a row of padding only (uniform attention, as in eager), several sequences per block, lengths within and
-    beyond the buckets' reach."""
+    beyond the buckets' reach. With whole groups, T's products run in sub-blocks of 16 rows (C2P_ROWS)."""
     if block_elements:
         monkeypatch.setattr(backends, "DISTANCE_BLOCK_ELEMENTS", block_elements)
+        monkeypatch.setattr(backends, "C2P_ROWS", 16)
     reference = build("eager", **VARIANTS[variant])
     sdpa = with_implementation(reference, "sdpa")
     for lengths in ([40, 23, 31], [150, 97]):
