@@ -42,6 +42,7 @@ the backend needs them. Then:
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 import threading
 import warnings
@@ -688,35 +689,44 @@ def _attend_by_distance(
         sequences = slice(start, min(start + group, batch))
         group_mask = mask[sequences] if mask is not None and mask.shape[0] > 1 else mask
         group_query, group_key, group_value = query[sequences], key[sequences], value[sequences]
-        table, chunk = None, slice(0, 0)
+        pieces, chunk = [], slice(0, 0)  # U, as (keys, first column, [g, H, keys, columns]) pieces
         band_parts = []
         for rows, keys in blocks:
             shape = (rows.stop - rows.start, keys.stop - keys.start)
             if pos_query is not None and (keys.start < chunk.start or keys.stop > chunk.stop):
-                chunk = slice(keys.start, min(length, keys.start + chunk_keys))
-                table = _distance_table(group_key, qr_ascending, chunk, chunk_keys, low, band, positions)
+                if not split and group == 1:  # every block reads every key: U in bands, each its own buffer
+                    chunk, pieces = slice(0, length), _distance_bands(group_key, qr_ascending, low, positions)
+                else:
+                    chunk = slice(keys.start, min(length, keys.start + chunk_keys))
+                    table = _distance_table(group_key, qr_ascending, chunk, chunk_keys, low, band, positions)
+                    pieces = [(chunk, 0, table)]
                 if fill_keys:  # in the band's columns only, so that the -inf outside it stays
-                    _fill_padded_keys(table[..., band.start - low : band.stop - low + 1], group_mask, chunk, lowest)
+                    for piece_keys, first_column, piece in pieces:
+                        columns = slice(max(0, band.start - low - first_column), band.stop - low + 1 - first_column)
+                        _fill_padded_keys(piece[..., columns], group_mask, piece_keys, lowest)
             # Without the far parts every row reads every key, and T over a block's rows holds rows + keys - 1
             # distances a row; in sub-blocks of C2P_ROWS rows it holds C2P_ROWS + keys - 1.
             step = C2P_ROWS if not split else shape[0]
             parts = [slice(first, min(first + step, rows.stop)) for first in range(rows.start, rows.stop, step)]
             bias = None
             for part in parts:
-                terms = []
+                c2p = None
                 if pos_key is not None:
                     near, whole = (near_low, near_high), pos_query is None
-                    terms.append(_c2p_by_distance(group_query, kr_descending, part, keys, near, whole, positions))
-                if pos_query is not None:  # p2c = U[j - c0, d - low]
-                    row, column = table.stride(2), table.stride(3)
-                    offset = (keys.start - chunk.start) * row + (part.start - keys.start - low) * column
-                    terms.append(_skewed(table, offset, column, row - column, (part.stop - part.start, shape[1])))
-                if len(parts) == 1 and len(terms) == 1:  # the view itself is the bias
-                    bias = terms[0]
+                    c2p = _c2p_by_distance(group_query, kr_descending, part, keys, near, whole, positions)
+                tiles = [(slice(0, shape[1]), [c2p])]  # (columns of the block's keys, views to add)
+                if pos_query is not None:
+                    tiles = [
+                        (columns, [p2c] if c2p is None else [c2p[..., columns], p2c])
+                        for columns, p2c in _p2c_views(pieces, part, keys, low)
+                    ]
+                if len(parts) == 1 and len(tiles) == 1 and len(tiles[0][1]) == 1:  # the view itself is the bias
+                    bias = tiles[0][1][0]
                     break
                 if bias is None:
-                    bias = _scratch(positions, "bias", (*terms[0].shape[:2], *shape), query)
-                _add_by_key_chunks(terms, out=bias[:, :, part.start - rows.start : part.stop - rows.start])
+                    bias = _scratch(positions, "bias", (*tiles[0][1][0].shape[:2], *shape), query)
+                for columns, views in tiles:
+                    _add_by_key_chunks(views, out=bias[:, :, part.start - rows.start : part.stop - rows.start, columns])
             if group_mask is not None and not fill_keys:
                 bias = bias.masked_fill(~_block_mask(group_mask, slice(None), rows.start, rows.stop)[..., keys], lowest)
             block_query = group_query[:, :, rows]
@@ -864,6 +874,49 @@ def _distance_table(
                     band_key = key[sequence : sequence + 1, :, first:last]
                     _product_columns(band_key, qr_ascending, rows_of_table, columns, limit, positions)
     return table.transpose(0, 1)[:, :, :keys, :distances]
+
+
+def _distance_bands(
+    key: Tensor, qr_ascending: Tensor, low: int, positions: RelativePositions
+) -> list[tuple[slice, int, Tensor]]:
+    """U for one sequence whose every row reads every key, in bands of DISTANCE_KEY_BAND keys: key j is read at the
+    distances -j <= d <= L - 1 - j, so a band computes only those of its keys, into a buffer of its own (a
+    contiguous product: nothing is copied). Returns (keys, first column, [1, H, keys, columns]) per band:
+    p2c[i, j] = band[j - keys.start, d - low - first column]."""
+    length, heads = positions.length, key.shape[1]
+    bands = []
+    for first in range(0, length, DISTANCE_KEY_BAND):
+        last = min(first + DISTANCE_KEY_BAND, length)
+        bands.append((slice(first, last), -(last - 1) - low, _round_up(length + last - first - 1)))
+    sizes = [heads * (keys.stop - keys.start) * width for keys, _, width in bands]
+    buffer = _scratch(positions, "distance bands", (sum(sizes),), key)
+    pieces = []
+    for (keys, first_column, width), begin, size in zip(bands, itertools.accumulate([0, *sizes]), sizes):
+        product = buffer[begin : begin + size].view(heads, keys.stop - keys.start, width)
+        relative = qr_ascending[:, first_column : first_column + width]
+        pieces.append((keys, first_column, _by_head(key[:, :, keys], relative, out=product)))
+    return pieces
+
+
+def _p2c_views(
+    pieces: list[tuple[slice, int, Tensor]], rows: slice, keys: slice, low: int
+) -> list[tuple[slice, Tensor]]:
+    """p2c of query rows `rows` against keys `keys`, from the pieces of U that hold those keys: (columns of
+    `keys`, [g, H, rows, columns] view) per piece, where p2c[i, j] = piece[j - first key, d - low - first column]."""
+    views = []
+    for piece_keys, first_column, piece in pieces:
+        inside = slice(max(keys.start, piece_keys.start), min(keys.stop, piece_keys.stop))
+        if inside.start < inside.stop:
+            row, column = piece.stride(2), piece.stride(3)
+            offset = (inside.start - piece_keys.start) * row + (rows.start - inside.start - low - first_column) * column
+            shape = (rows.stop - rows.start, inside.stop - inside.start)
+            views.append(
+                (
+                    slice(inside.start - keys.start, inside.stop - keys.start),
+                    _skewed(piece, offset, column, row - column, shape),
+                )
+            )
+    return views
 
 
 def _product_columns(
