@@ -14,9 +14,6 @@ ratios to BERT. Every variant's output is checked equal to the model's (a `--bas
 - `whole-row-add`: the add of the c2p and p2c views over whole block rows (ADD_CHUNK_KEYS above any length);
 - `u-in-512-key-bands`: U for one sequence in 512-key bands (DISTANCE_KEY_BAND=512);
 - `unpadded-products`: T and U products of their exact widths (PRODUCT_COLUMNS_MULTIPLE=1), not multiples of 16;
-- `c2p-whole-blocks`: T over a whole block's rows where every row reads every key (C2P_ROWS above any length),
-  not in sub-blocks of 64 rows; `c2p-32-rows`: sub-blocks of 32 rows;
-- `aliased-table-rows`: U's rows not padded away from 4 KiB key steps (ALIASING_MARGIN_BYTES=0);
 - `at-REV` (with `--baseline REV`): `_attend_by_distance` as it was at git revision REV (that commit's
   `modeling/disentangled_attention.py`, loaded beside this one), for a change that is not a module constant.
 
@@ -51,9 +48,6 @@ VARIANTS = {
     "whole-row-add": {"ADD_CHUNK_KEYS": 1 << 30},
     "u-in-512-key-bands": {"DISTANCE_KEY_BAND": 512},
     "unpadded-products": {"PRODUCT_COLUMNS_MULTIPLE": 1},
-    "c2p-whole-blocks": {"C2P_ROWS": 1 << 30},
-    "c2p-32-rows": {"C2P_ROWS": 32},
-    "aliased-table-rows": {"ALIASING_MARGIN_BYTES": 0},
 }
 
 

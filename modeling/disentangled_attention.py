@@ -42,7 +42,6 @@ the backend needs them. Then:
 from __future__ import annotations
 
 import inspect
-import itertools
 import math
 import threading
 import warnings
@@ -579,8 +578,8 @@ DISTANCE_TABLE_ELEMENTS = 1 << 25
 # Keys per product of U for one sequence: a band of keys computes only the distances its keys are read at (at 512
 # tokens, bands of 128 compute 5/8 of the rectangle; `python -m benchmarks.cpu_inference` times 512 against it)
 DISTANCE_KEY_BAND = 128
-# Query rows per product of T where every row reads every key (no far parts): T over n rows holds n + keys - 1
-# distances a row, and each row reads `keys` of them
+# Query rows per product of T where every row reads every key (no far parts; `_sequence_bias`): T over n rows holds
+# n + L - 1 distances a row, of which each row reads L
 C2P_ROWS = 64
 # Columns of each T and U product rounded up to a multiple of this (spare columns are computed and never read):
 # 64-deep products of 255, 639 or 1,017 columns took 1.1-1.9x the time of 256, 640 or 1,024 on an AVX-512 EPYC
@@ -590,23 +589,6 @@ PRODUCT_COLUMNS_MULTIPLE = 16
 
 def _round_up(columns: int) -> int:
     return -(-columns // PRODUCT_COLUMNS_MULTIPLE) * PRODUCT_COLUMNS_MULTIPLE
-
-
-# Along a row of a block, the p2c view steps (row stride - 1) elements of U from one key to the next. Where that step
-# is within this many bytes of a multiple of 4 KiB, each load falls on the 4 KiB offsets of the add's recent stores
-# (4K aliasing: the processor holds the load back as if it depended on them). At 512 tokens U's rows are 1,024
-# floats, and the add took about twice the time it takes with rows of 1,072 (`python -m benchmarks.cpu_inference`,
-# variant `aliased-table-rows`).
-ALIASING_MARGIN_BYTES = 128
-
-
-def _table_width(distances: int, element_size: int) -> int:
-    """U's row stride for `distances` columns: a multiple of PRODUCT_COLUMNS_MULTIPLE whose key step, in bytes, is
-    at least ALIASING_MARGIN_BYTES away from every multiple of 4 KiB."""
-    width = _round_up(distances)
-    while abs(((width - 1) * element_size + 2048) % 4096 - 2048) < ALIASING_MARGIN_BYTES:
-        width += PRODUCT_COLUMNS_MULTIPLE
-    return width
 
 
 def _with_spare_rows(index: Tensor) -> Tensor:
@@ -689,44 +671,30 @@ def _attend_by_distance(
         sequences = slice(start, min(start + group, batch))
         group_mask = mask[sequences] if mask is not None and mask.shape[0] > 1 else mask
         group_query, group_key, group_value = query[sequences], key[sequences], value[sequences]
-        pieces, chunk = [], slice(0, 0)  # U, as (keys, first column, [g, H, keys, columns]) pieces
+        table, chunk = None, slice(0, 0)
         band_parts = []
+        sequence_bias = None  # one sequence whose every row reads every key: its whole bias, U a band at a time
+        if not split and group == 1 and pos_query is not None:
+            padded = group_mask if fill_keys else None
+            sequence_bias = _sequence_bias(group_query, group_key, kr_descending, qr_ascending, padded, positions)
         for rows, keys in blocks:
             shape = (rows.stop - rows.start, keys.stop - keys.start)
-            if pos_query is not None and (keys.start < chunk.start or keys.stop > chunk.stop):
-                if not split and group == 1:  # every block reads every key: U in bands, each its own buffer
-                    chunk, pieces = slice(0, length), _distance_bands(group_key, qr_ascending, low, positions)
-                else:
+            bias = None
+            if sequence_bias is not None:
+                bias = sequence_bias[:, :, rows]
+            elif pos_key is not None:
+                near, whole = (near_low, near_high), pos_query is None
+                bias = _c2p_by_distance(group_query, kr_descending, rows, keys, near, whole, positions)
+            if sequence_bias is None and pos_query is not None:  # p2c = U[j - c0, d - low]
+                if keys.start < chunk.start or keys.stop > chunk.stop:
                     chunk = slice(keys.start, min(length, keys.start + chunk_keys))
                     table = _distance_table(group_key, qr_ascending, chunk, chunk_keys, low, band, positions)
-                    pieces = [(chunk, 0, table)]
-                if fill_keys:  # in the band's columns only, so that the -inf outside it stays
-                    for piece_keys, first_column, piece in pieces:
-                        columns = slice(max(0, band.start - low - first_column), band.stop - low + 1 - first_column)
-                        _fill_padded_keys(piece[..., columns], group_mask, piece_keys, lowest)
-            # Without the far parts every row reads every key, and T over a block's rows holds rows + keys - 1
-            # distances a row; in sub-blocks of C2P_ROWS rows it holds C2P_ROWS + keys - 1.
-            step = C2P_ROWS if not split else shape[0]
-            parts = [slice(first, min(first + step, rows.stop)) for first in range(rows.start, rows.stop, step)]
-            bias = None
-            for part in parts:
-                c2p = None
-                if pos_key is not None:
-                    near, whole = (near_low, near_high), pos_query is None
-                    c2p = _c2p_by_distance(group_query, kr_descending, part, keys, near, whole, positions)
-                tiles = [(slice(0, shape[1]), [c2p])]  # (columns of the block's keys, views to add)
-                if pos_query is not None:
-                    tiles = [
-                        (columns, [p2c] if c2p is None else [c2p[..., columns], p2c])
-                        for columns, p2c in _p2c_views(pieces, part, keys, low)
-                    ]
-                if len(parts) == 1 and len(tiles) == 1 and len(tiles[0][1]) == 1:  # the view itself is the bias
-                    bias = tiles[0][1][0]
-                    break
-                if bias is None:
-                    bias = _scratch(positions, "bias", (*tiles[0][1][0].shape[:2], *shape), query)
-                for columns, views in tiles:
-                    _add_by_key_chunks(views, out=bias[:, :, part.start - rows.start : part.stop - rows.start, columns])
+                    if fill_keys:  # in the band's columns only, so that the -inf outside it stays
+                        _fill_padded_keys(table[..., band.start - low : band.stop - low + 1], group_mask, chunk, lowest)
+                row, column = table.stride(2), table.stride(3)
+                offset = (keys.start - chunk.start) * row + (rows.start - keys.start - low) * column
+                p2c = _skewed(table, offset, column, row - column, shape)
+                bias = _add_by_key_chunks(bias, p2c, _scratch(positions, "bias", p2c.shape, query))
             if group_mask is not None and not fill_keys:
                 bias = bias.masked_fill(~_block_mask(group_mask, slice(None), rows.start, rows.stop)[..., keys], lowest)
             block_query = group_query[:, :, rows]
@@ -765,9 +733,11 @@ def _c2p_by_distance(
     near: tuple[int, int],
     whole: bool,
     positions: RelativePositions,
+    buffer: Tensor | None = None,
 ) -> Tensor:
-    """c2p of query rows `rows` against keys `keys`: [g, H, rows, keys], a skewed view of T = q_rows Kr[δ(d)]ᵀ over
-    the distances d the block reads, descending (c2p[i, j] = T[i - first, high - d], d = i - j).
+    """c2p of query rows `rows` against keys `keys`: [g, H, rows, keys], a strided view of T = q_rows Kr[δ(d)]ᵀ
+    over the distances the block reads, descending: c2p[i, j] = T[i - first, high - d], d = i - j. T is written
+    into `buffer` if given (flat, large enough), else into the workspace's.
 
     Distances outside the band are the far parts' keys (T's first `above` and last `below` columns). With a p2c
     term, U's -inf masks them, so T holds only the band's columns and the view reads whatever lies before or after
@@ -782,17 +752,64 @@ def _c2p_by_distance(
     skip_above, skip_below = (0, 0) if whole else (above, below)
     width = _round_up(count - skip_above - skip_below)
     size = heads * members * shape[0] * width
-    buffer = _scratch(positions, "c2p", (size + skip_below,), query)
-    buffer[size:].zero_()
+    if buffer is None:
+        buffer = _scratch(positions, "c2p", (size + skip_below,), query)
+    buffer[size : size + skip_below].zero_()
     product = buffer[:size].view(heads, members * shape[0], width)
-    start = length - 1 - high + skip_above
-    _by_head(query[:, :, rows], kr_descending[:, start : start + width], out=product)
+    first = length - 1 - high + skip_above
+    _by_head(query[:, :, rows], kr_descending[:, first : first + width], out=product)
     if whole:
         product[..., :above] = float("-inf")
         product[..., count - below : count] = float("-inf")
     table = product.view(heads, members, shape[0], width).transpose(0, 1)
     row, column = table.stride(2), table.stride(3)
     return _skewed(table, (shape[0] - 1 - skip_above) * column, row - column, column, shape)
+
+
+def _sequence_bias(
+    query: Tensor,
+    key: Tensor,
+    kr_descending: Tensor | None,
+    qr_ascending: Tensor,
+    padded: Tensor | None,
+    positions: RelativePositions,
+) -> Tensor:
+    """c2p + p2c of one sequence whose every row reads every key (no far parts): [1, H, L, L], for the blocks to
+    take their rows from. `padded`: the [1, 1, 1, L] key mask, whose left-out keys get the dtype's minimum.
+
+    T is computed for rows in parts of C2P_ROWS (C2P_ROWS + L - 1 distances a part, not rows + L - 1 a block) and
+    kept; U one band of DISTANCE_KEY_BAND keys at a time, over the distances its keys are read at, each band
+    added into every part's rows right after its product. The add reads U across its rows (one row a key), so
+    that is the operand kept small and in cache; T is read along its rows. Written into the table a band at a
+    time and read once the whole table was made, as the blocks do, these adds took 2-5x the time."""
+    heads, length = query.shape[1], positions.length
+    low = 1 - length
+    parts = [slice(first, min(first + C2P_ROWS, length)) for first in range(0, length, C2P_ROWS)]
+    width = _round_up(C2P_ROWS + length - 1)
+    bias = _scratch(positions, "bias", (1, heads, length, length), query)
+    c2p = []
+    if kr_descending is not None:
+        parts_buffer = _scratch(positions, "c2p", (len(parts), heads * C2P_ROWS * width), query)
+        every_key = slice(0, length)
+        for rows, buffer in zip(parts, parts_buffer):
+            c2p.append(
+                _c2p_by_distance(query, kr_descending, rows, every_key, (-length, length), False, positions, buffer)
+            )
+    for first in range(0, length, DISTANCE_KEY_BAND):
+        keys = slice(first, min(first + DISTANCE_KEY_BAND, length))
+        count = keys.stop - keys.start
+        first_column = -(keys.stop - 1) - low  # key j is read at the distances -j <= d <= L - 1 - j
+        columns = _round_up(length + count - 1)
+        product = _scratch(positions, "distance band", (heads, count, columns), query)
+        band = _by_head(key[:, :, keys], qr_ascending[:, first_column : first_column + columns], out=product)
+        if padded is not None:
+            _fill_padded_keys(band, padded, keys, torch.finfo(query.dtype).min)
+        row, column = band.stride(2), band.stride(3)
+        for index, rows in enumerate(parts):
+            offset = (rows.start - keys.start - low - first_column) * column  # p2c = band[j - k0, d - low - c0]
+            p2c = _skewed(band, offset, column, row - column, (rows.stop - rows.start, count))
+            _add_by_key_chunks(c2p[index][..., keys] if c2p else None, p2c, bias[:, :, rows, keys])
+    return bias
 
 
 def _scratch(positions: RelativePositions, kind: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
@@ -814,18 +831,18 @@ def _scratch(positions: RelativePositions, kind: str, shape: tuple[int, ...], li
 ADD_CHUNK_KEYS = 512  # keys per add of the c2p and p2c views (see `_add_by_key_chunks`)
 
 
-def _add_by_key_chunks(views: list[Tensor], out: Tensor) -> Tensor:
-    """out = the sum of `views` (one or two [g, H, rows, keys] views of T and U), `ADD_CHUNK_KEYS` keys at a time.
+def _add_by_key_chunks(c2p: Tensor | None, p2c: Tensor, out: Tensor) -> Tensor:
+    """out = c2p + p2c ([g, H, rows, keys] views of T and U; c2p may be None), `ADD_CHUNK_KEYS` keys at a time.
 
     Along a row of the block, the p2c view steps from one row of U to the next, one cache line per key; the next
     query row reads the same lines one element on. In chunks of 512 keys those lines (32 KiB) stay in L1 from one
     query row to the next; a whole row of 1,000 keys or more would not (`benchmarks.cpu_inference` times both)."""
-    for first in range(0, out.shape[-1], ADD_CHUNK_KEYS):
+    for first in range(0, p2c.shape[-1], ADD_CHUNK_KEYS):
         keys = slice(first, first + ADD_CHUNK_KEYS)
-        if len(views) == 1:
-            out[..., keys].copy_(views[0][..., keys])
+        if c2p is None:
+            out[..., keys].copy_(p2c[..., keys])
         else:
-            torch.add(views[0][..., keys], views[1][..., keys], out=out[..., keys])
+            torch.add(c2p[..., keys], p2c[..., keys], out=out[..., keys])
     return out
 
 
@@ -849,7 +866,7 @@ def _distance_table(
     columns of distances outside `band` (inclusive) are -inf: there the far parts hold the keys."""
     length, (groups, heads, _, _) = positions.length, key.shape
     distances = qr_ascending.shape[-2] - (PRODUCT_COLUMNS_MULTIPLE - 1)  # high - low + 1
-    shape = (heads, groups, rows, _table_width(distances, key.element_size()))  # a product can write whole rows
+    shape = (heads, groups, rows, _round_up(distances))  # rows padded: one product can write whole rows
     name = (shape, low, band.start, band.stop, key.dtype, key.device)
     table = _scratch(positions, "distance table", shape, key)
     if positions.workspace.get("distance table layout") != name:  # one table at a time
@@ -874,49 +891,6 @@ def _distance_table(
                     band_key = key[sequence : sequence + 1, :, first:last]
                     _product_columns(band_key, qr_ascending, rows_of_table, columns, limit, positions)
     return table.transpose(0, 1)[:, :, :keys, :distances]
-
-
-def _distance_bands(
-    key: Tensor, qr_ascending: Tensor, low: int, positions: RelativePositions
-) -> list[tuple[slice, int, Tensor]]:
-    """U for one sequence whose every row reads every key, in bands of DISTANCE_KEY_BAND keys: key j is read at the
-    distances -j <= d <= L - 1 - j, so a band computes only those of its keys, into a buffer of its own (a
-    contiguous product: nothing is copied). Returns (keys, first column, [1, H, keys, columns]) per band:
-    p2c[i, j] = band[j - keys.start, d - low - first column]."""
-    length, heads = positions.length, key.shape[1]
-    bands = []
-    for first in range(0, length, DISTANCE_KEY_BAND):
-        last = min(first + DISTANCE_KEY_BAND, length)
-        bands.append((slice(first, last), -(last - 1) - low, _round_up(length + last - first - 1)))
-    sizes = [heads * (keys.stop - keys.start) * width for keys, _, width in bands]
-    buffer = _scratch(positions, "distance bands", (sum(sizes),), key)
-    pieces = []
-    for (keys, first_column, width), begin, size in zip(bands, itertools.accumulate([0, *sizes]), sizes):
-        product = buffer[begin : begin + size].view(heads, keys.stop - keys.start, width)
-        relative = qr_ascending[:, first_column : first_column + width]
-        pieces.append((keys, first_column, _by_head(key[:, :, keys], relative, out=product)))
-    return pieces
-
-
-def _p2c_views(
-    pieces: list[tuple[slice, int, Tensor]], rows: slice, keys: slice, low: int
-) -> list[tuple[slice, Tensor]]:
-    """p2c of query rows `rows` against keys `keys`, from the pieces of U that hold those keys: (columns of
-    `keys`, [g, H, rows, columns] view) per piece, where p2c[i, j] = piece[j - first key, d - low - first column]."""
-    views = []
-    for piece_keys, first_column, piece in pieces:
-        inside = slice(max(keys.start, piece_keys.start), min(keys.stop, piece_keys.stop))
-        if inside.start < inside.stop:
-            row, column = piece.stride(2), piece.stride(3)
-            offset = (inside.start - piece_keys.start) * row + (rows.start - inside.start - low - first_column) * column
-            shape = (rows.stop - rows.start, inside.stop - inside.start)
-            views.append(
-                (
-                    slice(inside.start - keys.start, inside.stop - keys.start),
-                    _skewed(piece, offset, column, row - column, shape),
-                )
-            )
-    return views
 
 
 def _product_columns(

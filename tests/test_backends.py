@@ -239,12 +239,12 @@ def test_sdpa_inference_by_distance_matches_eager_at_every_position(monkeypatch,
     through rows of the p2c table (the dtype's minimum), keys outside the band through -inf columns, and the far
     keys run as shifted causal attention. Every position matches eager, padding included: right- and left-padded
     rows, a row of padding only (uniform attention, as in eager), several sequences per block, lengths within and
-    beyond the buckets' reach. With whole groups, T's products run in sub-blocks of 16 rows (C2P_ROWS); with one
-    sequence a block, U in bands of 16 keys (DISTANCE_KEY_BAND)."""
+    beyond the buckets' reach. One sequence a block within the reach builds its whole bias in parts of 16 rows and
+    bands of 16 keys (C2P_ROWS, DISTANCE_KEY_BAND)."""
+    monkeypatch.setattr(backends, "C2P_ROWS", 16)
     monkeypatch.setattr(backends, "DISTANCE_KEY_BAND", 16)
     if block_elements:
         monkeypatch.setattr(backends, "DISTANCE_BLOCK_ELEMENTS", block_elements)
-        monkeypatch.setattr(backends, "C2P_ROWS", 16)
     reference = build("eager", **VARIANTS[variant])
     sdpa = with_implementation(reference, "sdpa")
     for lengths in ([40, 23, 31], [150, 97]):
