@@ -578,9 +578,6 @@ DISTANCE_TABLE_ELEMENTS = 1 << 25
 # Keys per product of U for one sequence: a band of keys computes only the distances its keys are read at (at 512
 # tokens, bands of 128 compute 5/8 of the rectangle; `python -m benchmarks.cpu_inference` times 512 against it)
 DISTANCE_KEY_BAND = 128
-# Query rows per product of T where every row reads every key (no far parts; `_sequence_bias`): T over n rows holds
-# n + L - 1 distances a row, of which each row reads L
-C2P_ROWS = 64
 # Columns of each T and U product rounded up to a multiple of this (spare columns are computed and never read):
 # 64-deep products of 255, 639 or 1,017 columns took 1.1-1.9x the time of 256, 640 or 1,024 on an AVX-512 EPYC
 # (`python -m benchmarks.cpu_inference --products`).
@@ -673,19 +670,34 @@ def _attend_by_distance(
         group_query, group_key, group_value = query[sequences], key[sequences], value[sequences]
         table, chunk = None, slice(0, 0)
         band_parts = []
-        sequence_bias = None  # one sequence whose every row reads every key: its whole bias, U a band at a time
-        if not split and group == 1 and pos_query is not None:
-            padded = group_mask if fill_keys else None
-            sequence_bias = _sequence_bias(group_query, group_key, kr_descending, qr_ascending, padded, positions)
         for rows, keys in blocks:
             shape = (rows.stop - rows.start, keys.stop - keys.start)
             bias = None
-            if sequence_bias is not None:
-                bias = sequence_bias[:, :, rows]
-            elif pos_key is not None:
-                near, whole = (near_low, near_high), pos_query is None
-                bias = _c2p_by_distance(group_query, kr_descending, rows, keys, near, whole, positions)
-            if sequence_bias is None and pos_query is not None:  # p2c = U[j - c0, d - low]
+            if pos_key is not None:  # c2p = T[a, (last - 1 - k0) - d], d = first + a - k0 - b
+                block_high, block_low = rows.stop - 1 - keys.start, rows.start - keys.stop + 1
+                count, members = block_high - block_low + 1, sequences.stop - sequences.start
+                # Distances outside the band (T's first `above` and last `below` columns) are the far parts' keys:
+                # U's -inf masks them, so T holds only the band's columns and the view reads whatever lies
+                # before or after a row there: other rows' products, or past the last row, up to `below` zeroed
+                # elements (the first read, column rows - 1 - above of row 0, is never before the product: a
+                # block's keys start near_high - 1 before its rows, so above < rows). Without p2c, T holds every
+                # column and its out-of-band ones are -inf.
+                above, below = max(0, block_high - near_high + 1), max(0, near_low - block_low + 1)
+                skip_above, skip_below = (above, below) if pos_query is not None else (0, 0)
+                width = _round_up(count - skip_above - skip_below)
+                size = heads * members * shape[0] * width
+                buffer = _scratch(positions, "c2p", (size + skip_below,), query)
+                buffer[size:].zero_()
+                product = buffer[:size].view(heads, members * shape[0], width)
+                start = length - 1 - block_high + skip_above
+                _by_head(group_query[:, :, rows], kr_descending[:, start : start + width], out=product)
+                if pos_query is None:
+                    product[..., :above] = float("-inf")
+                    product[..., count - below : count] = float("-inf")
+                table_c2p = product.view(heads, members, shape[0], width).transpose(0, 1)
+                row, column = table_c2p.stride(2), table_c2p.stride(3)
+                bias = _skewed(table_c2p, (shape[0] - 1 - skip_above) * column, row - column, column, shape)
+            if pos_query is not None:  # p2c = U[j - c0, d - low]
                 if keys.start < chunk.start or keys.stop > chunk.stop:
                     chunk = slice(keys.start, min(length, keys.start + chunk_keys))
                     table = _distance_table(group_key, qr_ascending, chunk, chunk_keys, low, band, positions)
@@ -723,93 +735,6 @@ def _attend_by_distance(
             else:
                 context[:] = value.mean(-2).unsqueeze(1)
     return context
-
-
-def _c2p_by_distance(
-    query: Tensor,
-    kr_descending: Tensor,
-    rows: slice,
-    keys: slice,
-    near: tuple[int, int],
-    whole: bool,
-    positions: RelativePositions,
-    buffer: Tensor | None = None,
-) -> Tensor:
-    """c2p of query rows `rows` against keys `keys`: [g, H, rows, keys], a strided view of T = q_rows Kr[δ(d)]ᵀ
-    over the distances the block reads, descending: c2p[i, j] = T[i - first, high - d], d = i - j. T is written
-    into `buffer` if given (flat, large enough), else into the workspace's.
-
-    Distances outside the band are the far parts' keys (T's first `above` and last `below` columns). With a p2c
-    term, U's -inf masks them, so T holds only the band's columns and the view reads whatever lies before or after
-    a row there: other rows' products, or past the last row, up to `below` zeroed elements (the first read,
-    column rows - 1 - above of row 0, is never before the product: a block's keys start near_high - 1 before its
-    rows, so above < rows). `whole` (no p2c term): T holds every column, and its out-of-band ones are -inf."""
-    (near_low, near_high), (members, heads, length, _) = near, query.shape
-    shape = (rows.stop - rows.start, keys.stop - keys.start)
-    high, low = rows.stop - 1 - keys.start, rows.start - keys.stop + 1
-    count = high - low + 1
-    above, below = max(0, high - near_high + 1), max(0, near_low - low + 1)
-    skip_above, skip_below = (0, 0) if whole else (above, below)
-    width = _round_up(count - skip_above - skip_below)
-    size = heads * members * shape[0] * width
-    if buffer is None:
-        buffer = _scratch(positions, "c2p", (size + skip_below,), query)
-    buffer[size : size + skip_below].zero_()
-    product = buffer[:size].view(heads, members * shape[0], width)
-    first = length - 1 - high + skip_above
-    _by_head(query[:, :, rows], kr_descending[:, first : first + width], out=product)
-    if whole:
-        product[..., :above] = float("-inf")
-        product[..., count - below : count] = float("-inf")
-    table = product.view(heads, members, shape[0], width).transpose(0, 1)
-    row, column = table.stride(2), table.stride(3)
-    return _skewed(table, (shape[0] - 1 - skip_above) * column, row - column, column, shape)
-
-
-def _sequence_bias(
-    query: Tensor,
-    key: Tensor,
-    kr_descending: Tensor | None,
-    qr_ascending: Tensor,
-    padded: Tensor | None,
-    positions: RelativePositions,
-) -> Tensor:
-    """c2p + p2c of one sequence whose every row reads every key (no far parts): [1, H, L, L], for the blocks to
-    take their rows from. `padded`: the [1, 1, 1, L] key mask, whose left-out keys get the dtype's minimum.
-
-    T is computed for rows in parts of C2P_ROWS (C2P_ROWS + L - 1 distances a part, not rows + L - 1 a block) and
-    kept; U one band of DISTANCE_KEY_BAND keys at a time, over the distances its keys are read at, each band
-    added into every part's rows right after its product. The add reads U across its rows (one row a key), so
-    that is the operand kept small and in cache; T is read along its rows. Written into the table a band at a
-    time and read once the whole table was made, as the blocks do, these adds took 2-5x the time."""
-    heads, length = query.shape[1], positions.length
-    low = 1 - length
-    parts = [slice(first, min(first + C2P_ROWS, length)) for first in range(0, length, C2P_ROWS)]
-    width = _round_up(C2P_ROWS + length - 1)
-    bias = _scratch(positions, "bias", (1, heads, length, length), query)
-    c2p = []
-    if kr_descending is not None:
-        parts_buffer = _scratch(positions, "c2p", (len(parts), heads * C2P_ROWS * width), query)
-        every_key = slice(0, length)
-        for rows, buffer in zip(parts, parts_buffer):
-            c2p.append(
-                _c2p_by_distance(query, kr_descending, rows, every_key, (-length, length), False, positions, buffer)
-            )
-    for first in range(0, length, DISTANCE_KEY_BAND):
-        keys = slice(first, min(first + DISTANCE_KEY_BAND, length))
-        count = keys.stop - keys.start
-        first_column = -(keys.stop - 1) - low  # key j is read at the distances -j <= d <= L - 1 - j
-        columns = _round_up(length + count - 1)
-        product = _scratch(positions, "distance band", (heads, count, columns), query)
-        band = _by_head(key[:, :, keys], qr_ascending[:, first_column : first_column + columns], out=product)
-        if padded is not None:
-            _fill_padded_keys(band, padded, keys, torch.finfo(query.dtype).min)
-        row, column = band.stride(2), band.stride(3)
-        for index, rows in enumerate(parts):
-            offset = (rows.start - keys.start - low - first_column) * column  # p2c = band[j - k0, d - low - c0]
-            p2c = _skewed(band, offset, column, row - column, (rows.stop - rows.start, count))
-            _add_by_key_chunks(c2p[index][..., keys] if c2p else None, p2c, bias[:, :, rows, keys])
-    return bias
 
 
 def _scratch(positions: RelativePositions, kind: str, shape: tuple[int, ...], like: Tensor) -> Tensor:

@@ -239,10 +239,7 @@ def test_sdpa_inference_by_distance_matches_eager_at_every_position(monkeypatch,
     through rows of the p2c table (the dtype's minimum), keys outside the band through -inf columns, and the far
     keys run as shifted causal attention. Every position matches eager, padding included: right- and left-padded
     rows, a row of padding only (uniform attention, as in eager), several sequences per block, lengths within and
-    beyond the buckets' reach. One sequence a block within the reach builds its whole bias in parts of 16 rows and
-    bands of 16 keys (C2P_ROWS, DISTANCE_KEY_BAND)."""
-    monkeypatch.setattr(backends, "C2P_ROWS", 16)
-    monkeypatch.setattr(backends, "DISTANCE_KEY_BAND", 16)
+    beyond the buckets' reach."""
     if block_elements:
         monkeypatch.setattr(backends, "DISTANCE_BLOCK_ELEMENTS", block_elements)
     reference = build("eager", **VARIANTS[variant])
