@@ -2,9 +2,11 @@
 
     python -m benchmarks.profile --model ours-sdpa --batch 4 --length 512               # inference
     python -m benchmarks.profile --model transformers-deberta --batch 2 --length 512 --train --threads 2
+    python -m benchmarks.profile --model ours-sdpa --batch 1 --length 2048 --layers 2 --threads 2 --shapes
 
 Same models and inputs as `benchmarks.run` (v3-base shape, random weights, the last row padded to 3/4); one
-warm-up call, then one profiled call; prints the operators sorted by their own CPU time.
+warm-up call, then one profiled call; prints the operators sorted by their own CPU time (with `--shapes`, one row per
+operator and input shapes, which tells a block's SDPA call from a far part's).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--train", action="store_true", help="a training step (forward + backward, dropout on)")
     parser.add_argument("--rows", type=int, default=20, help="operators to print")
+    parser.add_argument("--shapes", action="store_true", help="one row per operator and input shapes")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     backend = args.model.removeprefix("ours-")
@@ -37,11 +40,12 @@ def main(argv: list[str] | None = None) -> None:
         model = build_models(args.layers, Path(folder), backends, args.train)[args.model]
     inputs = inputs_for(args.batch, args.length, padded=True)
     time_once(model, inputs, args.train)  # warm-up (and compilation, for flex)
-    with torch.profiler.profile() as profile:
+    with torch.profiler.profile(record_shapes=args.shapes) as profile:
         seconds = time_once(model, inputs, args.train)
     case = f"{'train' if args.train else 'infer'} {args.batch}x{args.length}"
     print(f"{args.model}, {case}, {args.layers} layer(s), {args.threads} thread(s): {seconds:.3f} s profiled")
-    print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    averages = profile.key_averages(group_by_input_shape=args.shapes)
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_shapes_column_width=70))
 
 
 if __name__ == "__main__":

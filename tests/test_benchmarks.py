@@ -60,6 +60,15 @@ def test_profile_command_prints_the_operator_table(capsys):
     assert "ours-sdpa, train 1x64, 1 layer(s)" in printed and "BlockedAttention" in printed
 
 
+def test_profile_command_with_shapes_prints_the_input_shapes_of_each_row(capsys):
+    from benchmarks import profile
+
+    profile.main(["--model", "ours-sdpa", "--batch", "2", "--length", "48", "--shapes", "--rows", "40"])
+    printed = capsys.readouterr().out
+    assert "ours-sdpa, infer 2x48, 1 layer(s)" in printed and "Input Shapes" in printed
+    assert "[2, 48, 768]" in printed  # the hidden states entering a linear layer
+
+
 def test_device_check_passes_on_the_cpu_and_catches_a_wrong_term(monkeypatch, capsys):
     """The prepared accelerator check, run on the CPU (flex through its dense reference): it passes, and a
     backend that drops the p2c term fails it."""
