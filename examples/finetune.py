@@ -28,6 +28,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import torch
 import transformers
 from transformers import (
     AutoConfig,
@@ -251,3 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # under torchrun / accelerate: left to interpreter exit, Gloo's threads can abort the finished process
+        # ("terminate called without an active exception", pytorch/pytorch#190489)
+        torch.distributed.destroy_process_group()

@@ -35,3 +35,15 @@ def test_python_dash_m_without_a_command_is_a_usage_error():
     result = run_module()
     assert result.returncode == 2
     assert "the following arguments are required: COMMAND" in result.stderr
+
+
+def test_a_finished_command_tears_down_the_process_group_a_launcher_set_up(monkeypatch, tmp_path):
+    """Left to interpreter exit, Gloo's threads can abort a finished process under torchrun; the command destroys the
+    default group once it has run (here a one-process gloo group and a stand-in command)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    monkeypatch.setattr(cli, "_command_function", lambda module, name, command: lambda args: 0)
+    assert dist.is_initialized()
+    assert cli.main(["demo"]) == 0
+    assert not dist.is_initialized()

@@ -54,10 +54,22 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(command).parse_args(argv)
     run = _command_function(importlib.import_module(COMMANDS[args.command][0]), "run", args.command)
     try:
-        return int(run(args) or 0)
+        status = int(run(args) or 0)
     except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as error:
         print(f"disentangled {args.command}: error: {error}", file=sys.stderr)
         return 2
+    destroy_process_group()
+    return status
+
+
+def destroy_process_group() -> None:
+    """Tears down the process group a launcher's run set up (`Trainer` under torchrun or accelerate), once the
+    command has finished. Left to interpreter exit, Gloo's worker threads can abort a finished process ("terminate
+    called without an active exception", pytorch/pytorch#190489). Not after an error: the other processes may still
+    be inside a collective, and tearing down there can hang."""
+    distributed = sys.modules.get("torch.distributed")  # never imports torch for a command that did not
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
