@@ -44,6 +44,10 @@ def test_a_finished_command_tears_down_the_process_group_a_launcher_set_up(monke
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     monkeypatch.setattr(cli, "_command_function", lambda module, name, command: lambda args: 0)
-    assert dist.is_initialized()
-    assert cli.main(["demo"]) == 0
-    assert not dist.is_initialized()
+    try:
+        assert dist.is_initialized()
+        assert cli.main(["demo"]) == 0
+        assert not dist.is_initialized()
+    finally:  # a failure here must not leave the group to the tests that follow in this process
+        if dist.is_initialized():
+            dist.destroy_process_group()
