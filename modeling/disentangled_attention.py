@@ -586,7 +586,7 @@ PRODUCT_COLUMNS_MULTIPLE = 16
 # An experiment (`compiled_softmax`): each block's scores from a batched product, the position terms added and the
 # softmax taken in one compiled pass over them, the context from a second product, in place of the add of the two
 # views and SDPA with the bias. float32, key masks only.
-SCORES_SOFTMAX = True  # on, so that `benchmarks.profile` profiles it at this commit
+SCORES_SOFTMAX = False
 
 
 def _round_up(columns: int) -> int:
@@ -777,8 +777,7 @@ def _compiled_block(
     keys = key.shape[-2]
     scores = _scratch(positions, "scores", (groups * heads, rows, keys), query)
     torch.matmul(query, key.mT, out=scores.view(groups, heads, rows, keys))
-    with torch.profiler.record_function("compiled_softmax.scores_softmax"):  # a ctypes call: not an operator
-        lse = compiled_softmax.scores_softmax(scores, c2p, p2c, keep, scaling, heads)
+    lse = compiled_softmax.scores_softmax(scores, c2p, p2c, keep, scaling, heads)
     return scores.view(groups, heads, rows, keys) @ value, lse.view(groups, heads, rows)
 
 
