@@ -52,7 +52,6 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from . import compiled_softmax
 from .validation import is_tracing
 
 try:  # torch >= 2.5; the Hub bundle must still import without it
@@ -583,10 +582,6 @@ DISTANCE_KEY_BAND = 128
 # 64-deep products of 255, 639 or 1,017 columns took 1.1-1.9x the time of 256, 640 or 1,024 on an AVX-512 EPYC
 # (`python -m benchmarks.cpu_inference --products`).
 PRODUCT_COLUMNS_MULTIPLE = 16
-# An experiment (`compiled_softmax`): each block's scores from a batched product, the position terms added and the
-# softmax taken in one compiled pass over them, the context from a second product, in place of the add of the two
-# views and SDPA with the bias. float32, key masks only.
-SCORES_SOFTMAX = False
 
 
 def _round_up(columns: int) -> int:
@@ -669,15 +664,11 @@ def _attend_by_distance(
     widest = max(keys.stop - keys.start for _, keys in blocks)
     chunk_keys = min(length, max(2 * widest, DISTANCE_TABLE_ELEMENTS // (group * heads * (high - low + 1))))
     context = query.new_empty(batch, length, heads, dim)
-    compiled = (
-        SCORES_SOFTMAX and query.dtype == torch.float32 and (mask is None or key_mask) and compiled_softmax.available()
-    )
     for start in range(0, batch, group):
         sequences = slice(start, min(start + group, batch))
         group_mask = mask[sequences] if mask is not None and mask.shape[0] > 1 else mask
         group_query, group_key, group_value = query[sequences], key[sequences], value[sequences]
         table, chunk = None, slice(0, 0)
-        p2c_view = None
         band_parts = []
         for rows, keys in blocks:
             shape = (rows.stop - rows.start, keys.stop - keys.start)
@@ -715,22 +706,7 @@ def _attend_by_distance(
                 row, column = table.stride(2), table.stride(3)
                 offset = (keys.start - chunk.start) * row + (rows.start - keys.start - low) * column
                 p2c = _skewed(table, offset, column, row - column, shape)
-                if compiled:
-                    p2c_view = p2c
-                else:
-                    bias = _add_by_key_chunks(bias, p2c, _scratch(positions, "bias", p2c.shape, query))
-            if compiled:
-                keep = None
-                if group_mask is not None and not fill_keys:
-                    keep = group_mask[:, 0, 0, keys].to(torch.uint8)
-                    keep = keep.expand(sequences.stop - sequences.start, -1)
-                block = (group_query[:, :, rows], group_key[:, :, keys], group_value[:, :, keys])
-                attended, lse = _compiled_block(*block, bias, p2c_view, keep, scaling, positions)
-                if not split:
-                    context[sequences, rows] = attended.transpose(1, 2)
-                else:
-                    band_parts.append((attended, lse))
-                continue
+                bias = _add_by_key_chunks(bias, p2c, _scratch(positions, "bias", p2c.shape, query))
             if group_mask is not None and not fill_keys:
                 bias = bias.masked_fill(~_block_mask(group_mask, slice(None), rows.start, rows.stop)[..., keys], lowest)
             block_query = group_query[:, :, rows]
@@ -759,26 +735,6 @@ def _attend_by_distance(
             else:
                 context[:] = value.mean(-2).unsqueeze(1)
     return context
-
-
-def _compiled_block(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    c2p: Tensor | None,
-    p2c: Tensor | None,
-    keep: Tensor | None,
-    scaling: float,
-    positions: RelativePositions,
-) -> tuple[Tensor, Tensor]:
-    """One block by `compiled_softmax` (SCORES_SOFTMAX): q . k by a batched product into a held buffer, the terms
-    added and the softmax taken in place, then p @ v. Returns the context [g, H, rows, D] and the log-sum-exp."""
-    groups, heads, rows, _ = query.shape
-    keys = key.shape[-2]
-    scores = _scratch(positions, "scores", (groups * heads, rows, keys), query)
-    torch.matmul(query, key.mT, out=scores.view(groups, heads, rows, keys))
-    lse = compiled_softmax.scores_softmax(scores, c2p, p2c, keep, scaling, heads)
-    return scores.view(groups, heads, rows, keys) @ value, lse.view(groups, heads, rows)
 
 
 def _scratch(positions: RelativePositions, kind: str, shape: tuple[int, ...], like: Tensor) -> Tensor:

@@ -256,17 +256,6 @@ def test_sdpa_inference_by_distance_matches_eager_at_every_position(monkeypatch,
         assert max_abs_diff(actual, expected) <= 1e-5 * max(1.0, expected.abs().max().item()), lengths
 
 
-@pytest.mark.parametrize("variant", ["v3", "clipped-distances", "c2p-only", "p2c-only"])
-@pytest.mark.parametrize("block_elements", [None, 1 << 20])
-def test_compiled_softmax_matches_eager_at_every_position(monkeypatch, variant, block_elements):
-    """The experiment SCORES_SOFTMAX: the terms added and the softmax taken in one compiled pass over each block's
-    scores, padding and the far parts' merge as in the by-distance path."""
-    if not backends.compiled_softmax.available():
-        pytest.skip("no C compiler for the compiled softmax")
-    monkeypatch.setattr(backends, "SCORES_SOFTMAX", True)
-    test_sdpa_inference_by_distance_matches_eager_at_every_position(monkeypatch, variant, block_elements)
-
-
 @pytest.mark.parametrize("variant", ["v3", "c2p-only"])
 def test_sdpa_inference_under_cpu_autocast_matches_eager(variant):
     """Under bfloat16 autocast, queries and keys come out of the linear layers in bfloat16 while the cached relative
