@@ -4,6 +4,7 @@
     python -m benchmarks.cpu_inference --cases 1x2048 --repeats 15
     python -m benchmarks.cpu_inference --baseline fcb26f5       # also the by-distance path of an earlier commit
     python -m benchmarks.cpu_inference --products               # only the T / U product shapes, alone
+    python -m benchmarks.cpu_inference --far-calls 2048 4096    # only the far keys' causal call, whole and split
     python -m benchmarks.cpu_inference --variants as-is --baseline fcb26f5 --processes 5   # five fresh processes
 
 Times the model as it stands against variants that each undo one choice (module constants of
@@ -93,6 +94,60 @@ def product_timings(repeats: int) -> None:
         print(f"| {rows} x {columns} | {medians[0]:.2f} ms | {medians[1]:.2f} ms |")
 
 
+FAR_CHUNKS = (128, 256, 512)  # rows per chunk of a split far call
+
+
+def _far_call(query, key, value, bias, rows: int | None) -> None:
+    """The far keys' causal call, whole (`rows` None) or split into chunks of `rows` rows (see `far_call_timings`)."""
+    flash, count = backends.cpu_flash_attention, query.shape[-2]
+    if rows is None:
+        flash(query, key, value, is_causal=True, attn_mask=bias, scale=0.125)
+        return
+    for first in range(0, count, rows):
+        chunk, before = slice(first, min(count, first + rows)), slice(0, first)
+        q, k, v = query[:, :, chunk], key[:, :, chunk], value[:, :, chunk]
+        flash(q, k, v, is_causal=True, attn_mask=bias[..., chunk], scale=0.125)  # its own square
+        if first:  # the keys before it: no mask
+            flash(q, key[:, :, before], value[:, :, before], attn_mask=bias[..., before], scale=0.125)
+
+
+def far_call_timings(lengths: list[int], repeats: int) -> None:
+    """The far-left keys of one layer alone, as `_merge_far_parts` runs them (v3-base: 12 heads of 64; rows
+    [reach, L) against keys [0, L - reach), causal, with a key bias), whole and split along the diagonal: chunks of
+    rows, each one causal call over its own square and one call without a mask over the keys before it.
+
+    PyTorch's CPU flash kernel computes the key block (512 keys) that holds a row block's causal edge in full and
+    masks it afterwards, so the whole call works on more pairs than the triangle holds; a split call computes
+    about the triangle's pairs (plus half of each square) in more, smaller calls. The split's parts are not merged
+    here: a merge by log-sum-exp would only add to its time. Median milliseconds."""
+    if not backends.CPU_FLASH_WITH_LSE:
+        raise SystemExit("--far-calls needs PyTorch's CPU flash kernel (torch >= 2.3)")
+    heads, dim = 12, 64
+    chunks = " | ".join(f"split in {rows}-row chunks" for rows in FAR_CHUNKS)
+    print(f"\n| length | causal rows | whole | {chunks} |\n|---|---|---|{'---|' * len(FAR_CHUNKS)}")
+    generator = torch.Generator().manual_seed(0)
+    for length in lengths:
+        positions = backends.RelativePositions.build(length, 256, 256, 512, "cpu")
+        near_low, near_high = positions.near
+        count = length - near_high
+        if near_high - near_low + 1 >= length:  # every distance in the band: `_attend_by_distance` does not split
+            print(f"| {length} | 0 | no far keys | {' | '.join('-' for _ in FAR_CHUNKS)} |")
+            continue
+        query, key, value = (torch.randn(1, heads, count, dim, generator=generator) for _ in range(3))
+        bias = torch.randn(1, 1, 1, count, generator=generator)
+
+        times = [[] for _ in range(1 + len(FAR_CHUNKS))]
+        with torch.inference_mode():
+            for round_ in range(repeats + 1):  # interleaved; the first round warms up
+                for rows, spent in zip((None, *FAR_CHUNKS), times):
+                    start = time.perf_counter()
+                    _far_call(query, key, value, bias, rows)
+                    if round_:
+                        spent.append(time.perf_counter() - start)
+        cells = " | ".join(f"{statistics.median(spent) * 1e3:.1f} ms" for spent in times)
+        print(f"| {length} | {count} | {cells} |")
+
+
 def held_mib(model) -> float:
     """MiB of the buffers `model` keeps on this thread after its last inference call."""
     workspace = backends.inference_workspace(model.encoder) or {}
@@ -135,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--held-lengths", nargs="*", type=int, default=[512, 2048, 4096])
     parser.add_argument("--baseline", metavar="REV", help="also time `_attend_by_distance` as at this git revision")
     parser.add_argument("--products", action="store_true", help="only time the T / U product shapes, alone")
+    parser.add_argument("--far-calls", nargs="+", type=int, metavar="LENGTH", help="only time the far keys' call")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="time only these (as-is always)")
     parser.add_argument("--processes", type=int, default=1, help="run the comparison in this many fresh processes")
     parser.add_argument("--child-results", type=Path, help=argparse.SUPPRESS)  # a child of --processes writes here
@@ -146,6 +202,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.products:
         print(f"{machine.describe()}; median of {args.repeats * 5} calls")
         product_timings(args.repeats * 5)
+        return
+    if args.far_calls:
+        print(f"{machine.describe()}; median of {args.repeats} interleaved rounds")
+        far_call_timings(args.far_calls, args.repeats)
         return
     if args.processes > 1:
         in_processes(args, argv if argv is not None else sys.argv[1:])
