@@ -6,6 +6,7 @@ No timing is asserted: the numbers come from `python -m benchmarks.run` on an id
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -22,6 +23,27 @@ def test_quick_benchmark_reports_every_case_and_model(tmp_path):
         assert all(seconds > 0 for seconds in row["times"].values())
     assert "| infer 2x512 (1 layers) |" in report["markdown"]
     assert f"Processor: {report['processor']}" in report["markdown"]
+
+
+def test_benchmark_in_fresh_processes_prints_the_median_and_range_of_each_ratio(tmp_path, capsys):
+    """--processes times the chosen cases in child processes and summarizes each ratio over them."""
+    arguments = ["--quick", "--layers", "1", "--repeats", "1", "--no-eager", "--cases", "infer-8x128", "train-2x128"]
+    run.main([*arguments, "--processes", "2", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    summary = json.loads((tmp_path / "processes.json").read_text())
+    assert len(summary["processes"]) == 2
+    assert all(
+        [row["case"] for row in report["inference"] + report["training"]]
+        == ["infer 8x128 (1 layers)", "train 2x128 (1 layers)"]
+        for report in summary["processes"]
+    )
+    rows = [line.strip(" |").split(" | ") for line in printed.splitlines() if line.startswith(("| infer", "| train"))]
+    assert [cells[0] for cells in rows] == ["infer 8x128 (1 layers)", "train 2x128 (1 layers)"]
+    assert all(re.fullmatch(r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)", cells[1]) for cells in rows)
+    assert rows[0][3] == "1.10" and re.fullmatch(r"[0-2] of 2", rows[0][4])
+    assert rows[1][3:] == ["-", "-"]  # 2x128 has no target
+    with pytest.raises(SystemExit, match="infer-3x3: not among"):
+        run.main(["--quick", "--cases", "infer-3x3", "--out", str(tmp_path)])
 
 
 def test_processor_names_the_model_and_its_vector_extensions(monkeypatch, tmp_path):
