@@ -272,7 +272,7 @@ def case_name(training: bool, batch: int, length: int) -> str:
 def in_processes(args: argparse.Namespace, argv: list[str]) -> None:
     """The timings in `args.processes` fresh processes, one after another; per case, the median over the processes
     of ours-sdpa / BERT-sdpa and of transformers / ours-sdpa, each with its range, and the target where there is
-    one, with how many processes measured at or under it."""
+    one (on the CPU in float32), with how many processes measured at or under it."""
     # the same arguments; argparse keeps the last of a repeated option, so these override the caller's
     child = [sys.executable, "-m", "benchmarks.run", *argv, "--processes", "1", "--no-memory"]
     root = Path(__file__).resolve().parent.parent
@@ -301,7 +301,7 @@ def in_processes(args: argparse.Namespace, argv: list[str]) -> None:
         theirs = [times["transformers-deberta"] / times["ours-sdpa"] for times in rows]
         mode, shape = row["case"].split()[:2]
         batch, length = (int(part) for part in shape.split("x"))
-        target = TARGETS.get((mode, batch, length))
+        target = TARGETS.get((mode, batch, length)) if (args.device, args.dtype) == ("cpu", "float32") else None
         met = f"{sum(ratio <= target for ratio in ours)} of {len(ours)}" if target else "-"
         lines.append(
             f"| {row['case']} | {statistics.median(ours):.2f} ({min(ours):.2f}-{max(ours):.2f}) "
