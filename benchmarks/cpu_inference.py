@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import machine
-from benchmarks.run import build_models, inputs_for, time_once
+from benchmarks.run import V3_BASE, build_models, in_fresh_processes, inputs_for, time_once
 from disentangled.modeling import disentangled_attention as backends
 
 VARIANTS = {
@@ -97,6 +97,13 @@ def product_timings(repeats: int) -> None:
 FAR_CHUNKS = (128, 256, 512)  # rows per chunk of a split far call
 
 
+def v3_positions(length: int) -> backends.RelativePositions:
+    """The relative positions of a `length`-token input to the v3-base shape (`V3_BASE`: 256 log buckets over
+    max_position_embeddings)."""
+    buckets, reach = V3_BASE["position_buckets"], V3_BASE["max_position_embeddings"]
+    return backends.RelativePositions.build(length, buckets, buckets, reach, "cpu")
+
+
 def _far_call(query, key, value, bias, rows: int | None) -> None:
     """The far keys' causal call, whole (`rows` None) or split into chunks of `rows` rows (see `far_call_timings`)."""
     flash, count = backends.cpu_flash_attention, query.shape[-2]
@@ -122,20 +129,19 @@ def far_call_timings(lengths: list[int], repeats: int) -> None:
     here: a merge by log-sum-exp would only add to its time. Median milliseconds."""
     if not backends.CPU_FLASH_WITH_LSE:
         raise SystemExit("--far-calls needs PyTorch's CPU flash kernel (torch >= 2.3)")
-    heads, dim = 12, 64
+    heads = V3_BASE["num_attention_heads"]
+    dim = V3_BASE["hidden_size"] // heads
     chunks = " | ".join(f"split in {rows}-row chunks" for rows in FAR_CHUNKS)
     print(f"\n| length | causal rows | whole | {chunks} |\n|---|---|---|{'---|' * len(FAR_CHUNKS)}")
     generator = torch.Generator().manual_seed(0)
     for length in lengths:
-        positions = backends.RelativePositions.build(length, 256, 256, 512, "cpu")
-        near_low, near_high = positions.near
+        near_low, near_high = v3_positions(length).near
         count = length - near_high
         if near_high - near_low + 1 >= length:  # every distance in the band: `_attend_by_distance` does not split
             print(f"| {length} | 0 | no far keys | {' | '.join('-' for _ in FAR_CHUNKS)} |")
             continue
         query, key, value = (torch.randn(1, heads, count, dim, generator=generator) for _ in range(3))
         bias = torch.randn(1, 1, 1, count, generator=generator)
-
         times = [[] for _ in range(1 + len(FAR_CHUNKS))]
         with torch.inference_mode():
             for round_ in range(repeats + 1):  # interleaved; the first round warms up
@@ -159,16 +165,10 @@ def in_processes(args: argparse.Namespace, argv: list[str]) -> None:
     """The comparison in `args.processes` fresh processes, one after another; per case, each time's ratio to BERT's
     and to the model's as it stands, measured in the same process: the median over the processes and the range."""
     # the same arguments; argparse keeps the last of a repeated option, so these override the caller's
-    child = [sys.executable, "-m", "benchmarks.cpu_inference", *argv, "--processes", "1", "--held-lengths"]
-    root = Path(__file__).resolve().parent.parent
-    runs = []
-    with tempfile.TemporaryDirectory() as folder:
-        for number in range(args.processes):
-            results = Path(folder) / f"process-{number}.json"
-            done = subprocess.run([*child, "--child-results", str(results)], cwd=root)
-            if done.returncode != 0:
-                raise SystemExit(f"process {number + 1} of {args.processes} failed (exit {done.returncode})")
-            runs.append(json.loads(results.read_text()))
+    child = [*argv, "--processes", "1", "--held-lengths", "--child-results"]
+    runs = in_fresh_processes(
+        "benchmarks.cpu_inference", child, args.processes, lambda path: json.loads(path.read_text())
+    )
     print(f"\n{args.processes} processes: medians over the processes (lowest-highest) of each ratio, to BERT-sdpa and")
     print("to the model as it stands (measured in the same process)")
     for case in runs[0]:

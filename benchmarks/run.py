@@ -269,22 +269,33 @@ def case_name(training: bool, batch: int, length: int) -> str:
     return f"{'train' if training else 'infer'}-{batch}x{length}"
 
 
+def in_fresh_processes(module: str, arguments: list[str], count: int, read) -> list:
+    """`python -m module *arguments PATH` in `count` fresh processes, one after another, from the repository root,
+    each with a path of its own as the value of the option `arguments` ends with; returns `read(PATH)` of each."""
+    root = Path(__file__).resolve().parent.parent
+    results = []
+    with tempfile.TemporaryDirectory() as folder:
+        for number in range(count):
+            path = Path(folder) / f"process-{number}"
+            done = subprocess.run([sys.executable, "-m", module, *arguments, str(path)], cwd=root)
+            if done.returncode != 0:
+                raise SystemExit(f"process {number + 1} of {count} failed (exit {done.returncode})")
+            results.append(read(path))
+    return results
+
+
+def _only_report(folder: Path) -> dict:
+    (written,) = folder.glob("*.json")
+    return json.loads(written.read_text())
+
+
 def in_processes(args: argparse.Namespace, argv: list[str]) -> None:
     """The timings in `args.processes` fresh processes, one after another; per case, the median over the processes
     of ours-sdpa / BERT-sdpa and of transformers / ours-sdpa, each with its range, and the target where there is
     one (on the CPU in float32), with how many processes measured at or under it."""
     # the same arguments; argparse keeps the last of a repeated option, so these override the caller's
-    child = [sys.executable, "-m", "benchmarks.run", *argv, "--processes", "1", "--no-memory"]
-    root = Path(__file__).resolve().parent.parent
-    reports = []
-    with tempfile.TemporaryDirectory() as folder:
-        for number in range(args.processes):
-            out = Path(folder) / f"process-{number}"
-            done = subprocess.run([*child, "--out", str(out)], cwd=root)
-            if done.returncode != 0:
-                raise SystemExit(f"process {number + 1} of {args.processes} failed (exit {done.returncode})")
-            (written,) = out.glob("*.json")
-            reports.append(json.loads(written.read_text()))
+    child = [*argv, "--processes", "1", "--no-memory", "--out"]
+    reports = in_fresh_processes("benchmarks.run", child, args.processes, _only_report)
     lines = [
         f"`python -m benchmarks.run {' '.join(argv)}`: {args.processes} processes, one after another, on "
         f"{reports[0]['machine']}.",

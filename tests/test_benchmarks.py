@@ -190,12 +190,11 @@ def test_cpu_inference_products_print_both_layouts_for_each_shape(capsys):
 def test_cpu_inference_far_calls_print_the_whole_call_and_each_split(capsys):
     """--far-calls times the far keys' causal call whole and split; a length within the band has none."""
     from benchmarks import cpu_inference
-    from disentangled.modeling import disentangled_attention as backends
 
     cpu_inference.main(["--far-calls", "1100", "640", "--repeats", "1"])
     printed = capsys.readouterr().out
     rows = {line.split(" |")[0]: line for line in printed.splitlines() if line.startswith("| ") and line[2].isdigit()}
-    reach = backends.RelativePositions.build(1100, 256, 256, 512, "cpu").near[1]
+    reach = cpu_inference.v3_positions(1100).near[1]
     assert rows["| 1100"].startswith(f"| 1100 | {1100 - reach} |")
     assert rows["| 1100"].count(" ms |") == 1 + len(cpu_inference.FAR_CHUNKS)
     assert "no far keys" in rows["| 640"]
