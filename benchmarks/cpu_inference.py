@@ -13,7 +13,7 @@ ratios to BERT. Every variant's output is checked equal to the model's (a `--bas
 
 - `fresh-buffers`: every call allocates its buffers (KEEP_WORKSPACE=False), as before they were kept;
 - `whole-row-add`: the add of the c2p and p2c views over whole block rows (ADD_CHUNK_KEYS above any length);
-- `u-in-512-key-bands`: U for one sequence in 512-key bands (DISTANCE_KEY_BAND=512);
+- `band-32-keys`, `band-128-keys`: U's bands of 32 or 128 keys (BAND_TABLE_KEYS), not 64;
 - `unpadded-products`: T and U products of their exact widths (PRODUCT_COLUMNS_MULTIPLE=1), not multiples of 16;
 - `at-REV` (with `--baseline REV`): `_attend_by_distance` as it was at git revision REV (that commit's
   `modeling/disentangled_attention.py`, loaded beside this one), for a change that is not a module constant.
@@ -47,7 +47,8 @@ VARIANTS = {
     "as-is": {},
     "fresh-buffers": {"KEEP_WORKSPACE": False},
     "whole-row-add": {"ADD_CHUNK_KEYS": 1 << 30},
-    "u-in-512-key-bands": {"DISTANCE_KEY_BAND": 512},
+    "band-32-keys": {"BAND_TABLE_KEYS": 32},
+    "band-128-keys": {"BAND_TABLE_KEYS": 128},
     "unpadded-products": {"PRODUCT_COLUMNS_MULTIPLE": 1},
 }
 

@@ -28,7 +28,7 @@ the backend needs them. Then:
 - sdpa builds the bias one block of query rows at a time and hands it to
   `torch.nn.functional.scaled_dot_product_attention`. In CPU inference (`_attend_by_distance`) the terms are
   products with the relative rows by distance rather than by bucket, T = q Kr[δ(d)]ᵀ per block and
-  U = k Qr[δ(d)]ᵀ per group of sequences, so that a block's c2p and p2c are strided views of T and U (d = i - j
+  U = k Qr[δ(d)]ᵀ per block and band of keys, so that a block's c2p and p2c are strided views of T and U (d = i - j
   moves by one along a row or a column): one add makes the bias, no index is read per element. Keys beyond the
   buckets' reach (where the column stops changing) need no dense bias at all: c2p is a constant of the row there
   and p2c a bias of the key, so those keys run as two causal attentions shifted by the reach, merged with the band
@@ -107,7 +107,7 @@ class RelativePositions:
     # and `far_columns[1]` for every d >= near[1]. Python ints, so that reading them costs no device sync.
     near: tuple[int, int] = (0, 0)
     far_columns: tuple[int, int] = (0, 0)
-    # Buffers that the blocks and layers of a forward reuse (sdpa's CPU inference: T, U, a band of U, the bias):
+    # Buffers that the blocks and layers of a forward reuse (sdpa's CPU inference: T, U's bands, the bias):
     # a tensor above glibc's mmap threshold (32 MiB) is fresh memory on every allocation, whose pages fault on
     # first touch.
     # In inference the encoder passes `inference_workspace(encoder)`, so that later forwards reuse them too.
@@ -178,9 +178,9 @@ KEEP_WORKSPACE = True  # False: every forward allocates its own buffers (tests, 
 def inference_workspace(module: torch.nn.Module) -> dict | None:
     """The buffers `module`'s inference forwards share on this thread (see `RelativePositions.workspace`).
 
-    Kept between calls, as a caching allocator would keep them, so that a forward over a few thousand tokens does
-    not fault in a fresh 130 MiB table each time: one p2c table and three block buffers (`benchmarks.cpu_inference`
-    times fresh ones and prints what is held after a call). Per thread, so that threads serving one model never
+    Kept between calls, as a caching allocator would keep them, so that a forward does not fault in fresh pages each
+    time: three block buffers, T, U's bands and the bias, each as large as the largest block has needed
+    (`benchmarks.cpu_inference` times fresh ones and prints what is held after a call). Per thread, so that threads serving one model never
     share a buffer; `release_workspace(model)` frees them."""
     if not KEEP_WORKSPACE:
         return None
@@ -572,16 +572,13 @@ def _by_batch_head(tensor: Tensor) -> Tensor:
 # 2^21 timed alike within the noise of a shared AVX-512 Xeon)
 DISTANCE_BLOCK_ELEMENTS = 1 << 20
 DISTANCE_MIN_ROWS = 192  # query rows per block at least (see `_attend_by_distance`)
-# Elements of the p2c-by-distance table held at a time on the CPU (a chunk of keys against the distances the
-# band reads; 128 MiB in float32): whole up to a few thousand tokens, computed in chunks of keys beyond.
-DISTANCE_TABLE_ELEMENTS = 1 << 25
-# Keys per product of U for one sequence: a band of keys computes only the distances its keys are read at (at 512
-# tokens, bands of 128 compute 5/8 of the rectangle; `python -m benchmarks.cpu_inference` times 512 against it)
-DISTANCE_KEY_BAND = 128
 # Columns of each T and U product rounded up to a multiple of this (spare columns are computed and never read):
 # 64-deep products of 255, 639 or 1,017 columns took 1.1-1.9x the time of 256, 640 or 1,024 on an AVX-512 EPYC
 # (`python -m benchmarks.cpu_inference --products`).
 PRODUCT_COLUMNS_MULTIPLE = 16
+# Keys per band of U (`_band_table`): a band computes rows + 63 distances per key for the `rows` it is read at
+# (1.33x at 192 rows), in one product; bands of 32 and 128 keys timed slower at 4x512 and 1x2048 on a 2-core Xeon
+BAND_TABLE_KEYS = 64
 
 
 def _round_up(columns: int) -> int:
@@ -619,8 +616,9 @@ def _attend_by_distance(
       c2p[i, j] = q_i . Kr[δ(i - j)] = T[i, high - (i - j)],  T = q_rows [Kr[δ(high)], ..., Kr[δ(low)]]ᵀ
       p2c[i, j] = k_j . Qr[δ(i - j)] = U[j, (i - j) - low],   U = k [Qr[δ(low)], ..., Qr[δ(high)]]ᵀ
 
-    One add of the two views makes a block's bias; U is computed once per group of sequences (in chunks of keys
-    for long inputs), and a padded key's row of U, filled with the dtype's minimum, masks it.
+    One add of the two views makes a block's bias. U is computed for each block, by band of 64 keys, each band
+    only at the distances the block's rows read it at (`_band_table`), just before the add reads it; a padded
+    key's row of U, filled with the dtype's minimum, masks it.
 
     Distances beyond the buckets' reach (d <= near[0] or d >= near[1]) all read one column, so there c2p is a
     constant of the row and p2c a bias of the key: those keys run as two plain attentions over the whole input
@@ -660,15 +658,12 @@ def _attend_by_distance(
     if pos_query is not None:  # Qr by distance, ascending over [low, high] (and spare rows)
         middle = length - 1
         qr_ascending = pos_query.index_select(-2, _with_spare_rows(positions.column[low + middle : high + middle + 1]))
-    band = slice(max(low, near_low + 1), min(high, near_high - 1))  # distances with a value in U (inclusive)
-    widest = max(keys.stop - keys.start for _, keys in blocks)
-    chunk_keys = min(length, max(2 * widest, DISTANCE_TABLE_ELEMENTS // (group * heads * (high - low + 1))))
     context = query.new_empty(batch, length, heads, dim)
     for start in range(0, batch, group):
         sequences = slice(start, min(start + group, batch))
         group_mask = mask[sequences] if mask is not None and mask.shape[0] > 1 else mask
         group_query, group_key, group_value = query[sequences], key[sequences], value[sequences]
-        table, chunk = None, slice(0, 0)
+        padded_keys = _padded_keys(group_mask) if fill_keys else []  # U's rows of these keys are masked
         band_parts = []
         for rows, keys in blocks:
             shape = (rows.stop - rows.start, keys.stop - keys.start)
@@ -697,16 +692,12 @@ def _attend_by_distance(
                 table_c2p = product.view(heads, members, shape[0], width).transpose(0, 1)
                 row, column = table_c2p.stride(2), table_c2p.stride(3)
                 bias = _skewed(table_c2p, (shape[0] - 1 - skip_above) * column, row - column, column, shape)
-            if pos_query is not None:  # p2c = U[j - c0, d - low]
-                if keys.start < chunk.start or keys.stop > chunk.stop:
-                    chunk = slice(keys.start, min(length, keys.start + chunk_keys))
-                    table = _distance_table(group_key, qr_ascending, chunk, chunk_keys, low, band, positions)
-                    if fill_keys:  # in the band's columns only, so that the -inf outside it stays
-                        _fill_padded_keys(table[..., band.start - low : band.stop - low + 1], group_mask, chunk, lowest)
-                row, column = table.stride(2), table.stride(3)
-                offset = (keys.start - chunk.start) * row + (rows.start - keys.start - low) * column
-                p2c = _skewed(table, offset, column, row - column, shape)
-                bias = _add_by_key_chunks(bias, p2c, _scratch(positions, "bias", p2c.shape, query))
+            if pos_query is not None:  # p2c from U by band of keys, for these rows (`_band_table`)
+                near = positions.near if split else None
+                table = _band_table(positions, group_key, qr_ascending, low, (rows, keys), padded_keys, near)
+                parts = _band_views(table, shape[0])
+                bias_shape = (sequences.stop - sequences.start, heads, *shape)
+                bias = _add_by_key_chunks(bias, parts, _scratch(positions, "bias", bias_shape, query))
             if group_mask is not None and not fill_keys:
                 bias = bias.masked_fill(~_block_mask(group_mask, slice(None), rows.start, rows.stop)[..., keys], lowest)
             block_query = group_query[:, :, rows]
@@ -756,18 +747,24 @@ def _scratch(positions: RelativePositions, kind: str, shape: tuple[int, ...], li
 ADD_CHUNK_KEYS = 512  # keys per add of the c2p and p2c views (see `_add_by_key_chunks`)
 
 
-def _add_by_key_chunks(c2p: Tensor | None, p2c: Tensor, out: Tensor) -> Tensor:
-    """out = c2p + p2c ([g, H, rows, keys] views of T and U; c2p may be None), `ADD_CHUNK_KEYS` keys at a time.
+def _add_by_key_chunks(c2p: Tensor | None, parts: list[tuple[slice, Tensor]], out: Tensor) -> Tensor:
+    """out = c2p + p2c ([g, H, rows, keys]; c2p, a view of T, may be None), one part of p2c's keys at a time.
 
-    Along a row of the block, the p2c view steps from one row of U to the next, one cache line per key; the next
-    query row reads the same lines one element on. In chunks of 512 keys those lines (32 KiB) stay in L1 from one
-    query row to the next; a whole row of 1,000 keys or more would not (`benchmarks.cpu_inference` times both)."""
-    for first in range(0, p2c.shape[-1], ADD_CHUNK_KEYS):
-        keys = slice(first, first + ADD_CHUNK_KEYS)
-        if c2p is None:
-            out[..., keys].copy_(p2c[..., keys])
+    Each part is (keys, view) from `_band_views`: [g, H, rows, bands, keys per band] for whole bands of U, or
+    [g, H, rows, keys] for a partial one. Along a row of the block, the p2c view steps from one row of U to the
+    next, one cache line per key; the next query row reads the same lines one element on. In parts of at most 512
+    keys those lines (32 KiB) stay in L1 from one query row to the next; a whole row of 1,000 keys or more would not
+    (`benchmarks.cpu_inference` times both)."""
+    for keys, p2c in parts:
+        target = out[..., keys]
+        c2p_keys = c2p[..., keys] if c2p is not None else None
+        if p2c.dim() == 5:  # whole bands: the block's keys as [bands, keys per band]
+            target = target.unflatten(-1, p2c.shape[-2:])
+            c2p_keys = c2p_keys.unflatten(-1, p2c.shape[-2:]) if c2p_keys is not None else None
+        if c2p_keys is None:
+            target.copy_(p2c)
         else:
-            torch.add(c2p[..., keys], p2c[..., keys], out=out[..., keys])
+            torch.add(c2p_keys, p2c, out=target)
     return out
 
 
@@ -780,69 +777,86 @@ def _by_head(rows: Tensor, relative: Tensor, out: Tensor | None = None) -> Tenso
     return product.view(heads, groups, count, relative.shape[-2]).transpose(0, 1)  # explicit: B or L may be 0
 
 
-def _distance_table(
-    key: Tensor, qr_ascending: Tensor, chunk: slice, rows: int, low: int, band: slice, positions: RelativePositions
-) -> Tensor:
-    """U for keys `chunk`: U[j, d - low] = k_j . Qr[δ(d)], [g, H, keys, high - low + 1], in a buffer of `rows` keys
-    that the layers of a forward (and later forwards) share (`RelativePositions.workspace`), laid out head first.
+def _band_table(
+    positions: RelativePositions,
+    key: Tensor,
+    qr_ascending: Tensor,
+    low: int,
+    block: tuple[slice, slice],
+    padded: list[tuple[int | None, list[int]]],
+    near: tuple[int, int] | None,
+) -> list[Tensor]:
+    """U of a block's keys for its query rows only, `block` = (rows, keys), by band of `BAND_TABLE_KEYS` keys: built for
+    each block, just before its add reads it, over a group of sequences ([g, H, L, D] `key`).
 
-    For one sequence, key j is read only at the distances of real rows, -j <= d <= L - 1 - j, so only those are
-    computed (a parallelogram, in bands of keys); a group of short sequences is one product per head. The
-    columns of distances outside `band` (inclusive) are -inf: there the far parts hold the keys."""
-    length, (groups, heads, _, _) = positions.length, key.shape
-    distances = qr_ascending.shape[-2] - (PRODUCT_COLUMNS_MULTIPLE - 1)  # high - low + 1
-    shape = (heads, groups, rows, _round_up(distances))  # rows padded: one product can write whole rows
-    name = (shape, low, band.start, band.stop, key.dtype, key.device)
-    table = _scratch(positions, "distance table", shape, key)
-    if positions.workspace.get("distance table layout") != name:  # one table at a time
-        positions.workspace["distance table layout"] = name
-        table[..., : band.start - low] = float("-inf")
-        table[..., band.stop - low + 1 :] = float("-inf")
-    keys = chunk.stop - chunk.start
-    # spare product columns may land in the table up to the -inf columns after the band (or to its end)
-    limit = band.stop - low + 1 if band.stop - low + 1 < distances else shape[-1]
-    if groups > 1 and keys == rows:  # the whole table: every distance of every key
-        columns = slice(band.start - low, band.stop - low + 1)
-        _product_columns(
-            key[:, :, chunk], qr_ascending, table.view(heads, groups * rows, -1), columns, limit, positions
-        )
-    else:
-        for first in range(chunk.start, chunk.stop, DISTANCE_KEY_BAND):
-            last = min(first + DISTANCE_KEY_BAND, chunk.stop)
-            columns = slice(max(band.start, -(last - 1)) - low, min(band.stop, length - 1 - first) - low + 1)
-            if columns.stop > columns.start:
-                for sequence in range(groups):
-                    rows_of_table = table[:, sequence, first - chunk.start : last - chunk.start]
-                    band_key = key[sequence : sequence + 1, :, first:last]
-                    _product_columns(band_key, qr_ascending, rows_of_table, columns, limit, positions)
-    return table.transpose(0, 1)[:, :, :keys, :distances]
-
-
-def _product_columns(
-    rows: Tensor, relative: Tensor, table: Tensor, columns: slice, limit: int, positions: RelativePositions
-) -> None:
-    """table[..., columns] = rows [g, H, n, D] against relative[:, columns]; `table` is [H, g * n, E], a view.
-
-    The product is widened to a multiple of PRODUCT_COLUMNS_MULTIPLE columns (`relative` has spare rows), which
-    may be written into the table up to column `limit`. torch.bmm writes a strided out= one head at a time (up to 3x
-    the time of a contiguous one on the CPU, `benchmarks.cpu_inference --products`): where the columns are not
-    contiguous rows of the table, the product goes through a contiguous buffer and is copied in."""
-    count = columns.stop - columns.start
-    wide = slice(columns.start, columns.start + _round_up(count))
-    if wide.stop <= limit and table[..., wide].is_contiguous():
-        _by_head(rows, relative[:, wide], out=table[..., wide])
-        return
-    product = _scratch(positions, "product", (table.shape[0], table.shape[1], wide.stop - wide.start), table)
-    _by_head(rows, relative[:, wide], out=product)
-    table[..., columns].copy_(product[..., :count])
+    Band [s, e) is [H, g, e - s, columns], contiguous: U[j, c] = k_j . Qr[δ(c + first + 1 - e)] for key j of the band
+    and rows [first, last), so that row i reads key j at column c = (i - first) - (j - s) + (e - s - 1), and
+    0 <= c < rows + (e - s) - 1: a band's row holds the distances its key is read at by these rows (a parallelogram
+    in bands, 1.33x the block's pairs for 192 rows), and each band is one product written where it stays. Until
+    this, U was one table by distance per sequence, computed once: at 512 tokens and more it was no longer in
+    cache when the blocks read it, and the add, which reads one cache line per key, waited on memory
+    (`python -m benchmarks.cpu_inference --baseline 713ad96` times the two). Bands lie one after another, so that `_band_view` reads several whole bands in one view. `qr_ascending` is Qr by distance from `low`.
+    The rows of the `padded` keys (`_padded_keys`) are the dtype's minimum; with `near`, the columns of distances
+    d <= near[0] or d >= near[1] (the far parts' keys) are -inf.
+    """
+    (rows, keys), (groups, heads, _, _) = block, key.shape
+    sizes = [min(BAND_TABLE_KEYS, keys.stop - first) for first in range(keys.start, keys.stop, BAND_TABLE_KEYS)]
+    widths = [_round_up(rows.stop - rows.start + size - 1) for size in sizes]
+    buffer = _scratch(positions, "band table", (heads * groups * sum(map(math.prod, zip(sizes, widths))),), key)
+    bands, offset, start = [], 0, keys.start
+    for size, width in zip(sizes, widths):
+        table = buffer[offset : offset + heads * groups * size * width].view(heads, groups, size, width)
+        nearest = rows.start + 1 - (start + size)  # the distance of column 0
+        product = table.view(heads, groups * size, width)
+        _by_head(key[:, :, start : start + size], qr_ascending[:, nearest - low : nearest - low + width], out=product)
+        for sequence, padded_keys in padded:
+            inside = [index - start for index in padded_keys if start <= index < start + size]
+            if inside:
+                target = table[:, sequence] if sequence is not None else table
+                target.index_fill_(-2, torch.tensor(inside, device=table.device), torch.finfo(key.dtype).min)
+        if near is not None:  # after the padded keys' rows, so that these columns stay -inf
+            table[..., : max(0, min(width, near[0] + 1 - nearest))] = float("-inf")
+            table[..., max(0, near[1] - nearest) :] = float("-inf")
+        bands.append(table)
+        offset, start = offset + table.numel(), start + size
+    return bands
 
 
-def _fill_padded_keys(table: Tensor, mask: Tensor, chunk: slice, value: float) -> None:
-    """Rows of U of the keys the [g | 1, 1, 1, L] mask leaves out, filled with `value`."""
-    for sequence, padding in enumerate(~mask[:, 0, 0, chunk]):
-        padded = padding.nonzero().squeeze(-1)
-        if len(padded):
-            (table[sequence] if len(mask) > 1 else table.transpose(0, 1)).index_fill_(-2, padded, value)
+def _padded_keys(mask: Tensor) -> list[tuple[int | None, list[int]]]:
+    """(sequence, or None for every sequence, and the keys the [g | 1, 1, 1, L] mask leaves out) where there are any."""
+    padded = []
+    for sequence, padding in enumerate(~mask[:, 0, 0]):
+        keys = padding.nonzero().flatten().tolist()
+        if keys:
+            padded.append((sequence if len(mask) > 1 else None, keys))
+    return padded
+
+
+def _band_view(table: Tensor, bands: int | None = None) -> Tensor:
+    """p2c of the block's rows from a band of `_band_table` ([H, g, keys, columns]): [g, H, rows, keys]; with `bands`,
+    that band and the `bands` - 1 whole bands after it: [g, H, rows, bands, keys]."""
+    heads, groups, size, width = table.shape
+    rows = width - size + 1  # at least: the columns are rounded up
+    shape, strides = [groups, heads, rows, size], [table.stride(1), table.stride(0), 1, width - 1]
+    if bands is not None:
+        shape.insert(3, bands)
+        strides.insert(3, table.numel())
+    return table.as_strided(shape, strides, table.storage_offset() + size - 1)  # row first, key s: column size - 1
+
+
+def _band_views(bands: list[Tensor], rows: int) -> list[tuple[slice, Tensor]]:
+    """p2c of the block's `rows` query rows against every key as (keys, view) parts for `_add_by_key_chunks`: whole
+    bands `ADD_CHUNK_KEYS` keys at a time, [g, H, rows, bands, keys per band], then a partial last band."""
+    band = bands[0].shape[-2]
+    whole = len(bands) - (bands[-1].shape[-2] != band)
+    per_part = max(1, ADD_CHUNK_KEYS // band)
+    parts = []
+    for first in range(0, whole, per_part):
+        count = min(per_part, whole - first)
+        parts.append((slice(first * band, (first + count) * band), _band_view(bands[first], count)[:, :, :rows]))
+    if whole < len(bands):
+        parts.append((slice(whole * band, whole * band + bands[-1].shape[-2]), _band_view(bands[-1])[:, :, :rows]))
+    return parts
 
 
 def _dot_each(rows: Tensor, vector: Tensor) -> Tensor:

@@ -234,14 +234,19 @@ def test_sdpa_inference_beyond_the_buckets_reach_matches_eager(variant):
 
 @pytest.mark.parametrize("variant", ["v3", "clipped-distances", "c2p-only", "p2c-only"])
 @pytest.mark.parametrize("block_elements", [None, 1 << 20])  # the fixture's 7-row blocks, or whole groups
-def test_sdpa_inference_by_distance_matches_eager_at_every_position(monkeypatch, variant, block_elements):
+@pytest.mark.parametrize("band_keys", [None, 7])  # U in bands of 64 keys (one, partial, here), or of 7
+def test_sdpa_inference_by_distance_matches_eager_at_every_position(monkeypatch, variant, block_elements, band_keys):
     """CPU inference reads the position terms as strided views of tables by distance: padded keys are masked
-    through rows of the p2c table (the dtype's minimum), keys outside the band through -inf columns, and the far
+    through rows of U's bands (the dtype's minimum), keys outside the band through -inf columns, and the far
     keys run as shifted causal attention. Every position matches eager, padding included: right- and left-padded
     rows, a row of padding only (uniform attention, as in eager), several sequences per block, lengths within and
-    beyond the buckets' reach."""
+    beyond the buckets' reach. With bands of 7 keys, a block reads several whole bands per view (two per add of
+    16 keys) and a partial last one."""
     if block_elements:
         monkeypatch.setattr(backends, "DISTANCE_BLOCK_ELEMENTS", block_elements)
+    if band_keys:
+        monkeypatch.setattr(backends, "BAND_TABLE_KEYS", band_keys)
+        monkeypatch.setattr(backends, "ADD_CHUNK_KEYS", 16)
     reference = build("eager", **VARIANTS[variant])
     sdpa = with_implementation(reference, "sdpa")
     for lengths in ([40, 23, 31], [150, 97]):
@@ -321,7 +326,7 @@ def test_inference_workspace_is_kept_between_calls_and_stays_exact(monkeypatch):
             1.0, expected.abs().max().item()
         )
         held = backends.inference_workspace(sdpa.encoder)
-        assert "distance table" in held and not backends.inference_workspace(fresh.encoder)
+        assert "band table" in held and not backends.inference_workspace(fresh.encoder)
         sdpa.release_workspace()
         assert not backends.inference_workspace(sdpa.encoder)
     sdpa.train()  # training (with gradients) keeps nothing
@@ -351,7 +356,7 @@ def test_inference_workspace_is_per_thread():
     for thread in threads:
         thread.join()
     assert all(torch.equal(results[index], expected[index]) for index in range(2))
-    assert workspaces[0]["distance table"].data_ptr() != workspaces[1]["distance table"].data_ptr()
+    assert workspaces[0]["band table"].data_ptr() != workspaces[1]["band table"].data_ptr()
 
 
 def blocked_attention_inputs(dtype=torch.float64, length=12, batch=2, heads=3, dim=4):

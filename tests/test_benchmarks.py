@@ -167,7 +167,7 @@ def test_cpu_inference_variants_run_and_restore_the_module_constants(capsys):
     from benchmarks import cpu_inference
     from disentangled.modeling import disentangled_attention as backends
 
-    names = ("KEEP_WORKSPACE", "ADD_CHUNK_KEYS", "DISTANCE_KEY_BAND", "PRODUCT_COLUMNS_MULTIPLE", "_attend_by_distance")
+    names = ("KEEP_WORKSPACE", "ADD_CHUNK_KEYS", "BAND_TABLE_KEYS", "PRODUCT_COLUMNS_MULTIPLE", "_attend_by_distance")
     before = {name: getattr(backends, name) for name in names}
     arguments = ["--cases", "2x96", "--layers", "1", "--repeats", "1", "--held-lengths", "96", "--baseline", "HEAD"]
     cpu_inference.main(arguments)
