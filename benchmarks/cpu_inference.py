@@ -120,7 +120,7 @@ def _far_call(query, key, value, bias, rows: int | None) -> None:
 
 
 def far_call_timings(lengths: list[int], repeats: int) -> None:
-    """The far-left keys of one layer alone, as `_merge_far_parts` runs them (v3-base: 12 heads of 64; rows
+    """The far-left keys of one layer alone, as `_far_parts` runs them (v3-base: 12 heads of 64; rows
     [reach, L) against keys [0, L - reach), causal, with a key bias), whole and split along the diagonal: chunks of
     rows, each one causal call over its own square and one call without a mask over the keys before it.
 

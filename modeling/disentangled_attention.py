@@ -651,9 +651,10 @@ def _attend_by_distance(
     high = max(rows.stop - 1 - keys.start for rows, keys in blocks)
     # The masked keys' value in U: the dtype's minimum absorbs every term added to it (float16's would not).
     fill_keys = key_mask and pos_query is not None and query.dtype != torch.float16
-    kr_descending = None  # Kr by distance, descending over [1 - L, L - 1] (and spare rows)
+    kr_descending = None  # Kr by distance, descending from `high` over the distances T reads (and spare rows)
     if pos_key is not None:
-        kr_descending = pos_key.index_select(-2, _with_spare_rows(positions.column.flip(0)))
+        distances = torch.arange(high, low - PRODUCT_COLUMNS_MULTIPLE, -1, device=positions.column.device)
+        kr_descending = pos_key.index_select(-2, positions.column[distances.clamp(min=1 - length) + length - 1])
     qr_ascending = None
     if pos_query is not None:  # Qr by distance, ascending over [low, high] (and spare rows)
         middle = length - 1
@@ -664,7 +665,9 @@ def _attend_by_distance(
         group_mask = mask[sequences] if mask is not None and mask.shape[0] > 1 else mask
         group_query, group_key, group_value = query[sequences], key[sequences], value[sequences]
         padded_keys = _padded_keys(group_mask) if fill_keys else []  # U's rows of these keys are masked
-        band_parts = []
+        far = []  # keys beyond the buckets' reach, each side one causal call over the whole sequence
+        if split:
+            far = _far_parts((positions, pos_key, pos_query), group_query, group_key, group_value, group_mask, scaling)
         for rows, keys in blocks:
             shape = (rows.stop - rows.start, keys.stop - keys.start)
             bias = None
@@ -684,7 +687,7 @@ def _attend_by_distance(
                 buffer = _scratch(positions, "c2p", (size + skip_below,), query)
                 buffer[size:].zero_()
                 product = buffer[:size].view(heads, members * shape[0], width)
-                start = length - 1 - block_high + skip_above
+                start = high - block_high + skip_above  # Kr's row of distance block_high - skip_above
                 _by_head(group_query[:, :, rows], kr_descending[:, start : start + width], out=product)
                 if pos_query is None:
                     product[..., :above] = float("-inf")
@@ -707,17 +710,9 @@ def _attend_by_distance(
                     block_query, block_key, block_value, attn_mask=bias, scale=scaling
                 )
                 context[sequences, rows] = attended.transpose(1, 2)
-            else:
-                band_parts.append(
-                    cpu_flash_attention(block_query, block_key, block_value, attn_mask=bias, scale=scaling)
-                )
-        if split:
-            band_context = torch.cat([part for part, _ in band_parts], dim=-2)
-            band_lse = torch.cat([lse for _, lse in band_parts], dim=-1)
-            far = (positions, pos_key, pos_query)
-            context[sequences] = _merge_far_parts(
-                far, group_query, group_key, group_value, group_mask, scaling, band_context, band_lse
-            ).transpose(1, 2)
+            else:  # the band's part, merged with the far parts' over these rows
+                band, band_lse = cpu_flash_attention(block_query, block_key, block_value, attn_mask=bias, scale=scaling)
+                _merge_block(context[sequences, rows].transpose(1, 2), band, band_lse, rows, far)
     if split and key_mask and not mask.all():  # a sequence of padding only: uniform attention, as in eager (the
         # parts' log-sum-exps all round to the dtype's minimum, so merging them would not weigh them by their keys)
         for sequence in (~mask.flatten(1).any(-1)).nonzero().flatten().tolist():
@@ -865,22 +860,20 @@ def _dot_each(rows: Tensor, vector: Tensor) -> Tensor:
     return torch.einsum("ghnd,hd->ghn", rows, vector)
 
 
-def _merge_far_parts(
+def _far_parts(
     far: tuple[RelativePositions, Tensor | None, Tensor | None],
     query: Tensor,
     key: Tensor,
     value: Tensor,
     mask: Tensor | None,
     scaling: float,
-    band: Tensor,
-    band_lse: Tensor,
-) -> Tensor:
-    """The band's attention ([g, H, L, D], with its log-sum-exp) merged with the far keys' on both sides.
+) -> list[tuple[Tensor, Tensor, slice]]:
+    """The far keys' attention on both sides of the band: (context [g, H, n, D], log-sum-exp [g, H, n], rows).
 
     Far left (i - j >= near[1]) every key reads the highest column: c2p is the row constant q_i . Kr[column]
     and p2c the key bias k_j . Qr[column], so those keys are one SDPA call with that bias and a causal mask
     over rows [near[1], L) and keys [0, L - near[1]). Far right (i - j <= near[0]) is the same with rows and
-    keys reversed. `far` is (positions, Kr, Qr), the projected rows in the queries' dtype. Returns [g, H, L, D]."""
+    keys reversed. `far` is (positions, Kr, Qr), the projected rows in the queries' dtype."""
     positions, pos_key, pos_query = far
     length = query.shape[-2]
     parts = []
@@ -905,13 +898,29 @@ def _merge_far_parts(
         if pos_key is not None:  # the row constant q_i . Kr[column]
             lse = lse + _dot_each(query[:, :, rows], pos_key[:, column]).float()
         parts.append((part, lse, rows))
-    total = band_lse.clone()
-    for _, lse, rows in parts:
-        total[..., rows] = torch.logaddexp(total[..., rows], lse)
-    merged = band * (band_lse - total).exp().unsqueeze(-1).to(band.dtype)
-    for part, lse, rows in parts:
-        merged[..., rows, :] += part * (lse - total[..., rows]).exp().unsqueeze(-1).to(part.dtype)
-    return merged
+    return parts
+
+
+def _merge_block(
+    out: Tensor, band: Tensor, band_lse: Tensor, rows: slice, far: list[tuple[Tensor, Tensor, slice]]
+) -> None:
+    """out = the band's attention of query rows `rows` ([g, H, n, D], with its log-sum-exp) merged with the far
+    parts' (`_far_parts`) over the same rows, by log-sum-exp. `out` is a [g, H, n, D] view of the context."""
+    overlaps = []  # (far part's rows, the block's rows) where they meet
+    total = band_lse
+    for part, lse, part_rows in far:
+        first, last = max(rows.start, part_rows.start), min(rows.stop, part_rows.stop)
+        if first < last:
+            mine, theirs = (
+                slice(first - rows.start, last - rows.start),
+                slice(first - part_rows.start, last - part_rows.start),
+            )
+            overlaps.append((part[..., theirs, :], lse[..., theirs], mine))
+            total = total.clone() if total is band_lse else total
+            total[..., mine] = torch.logaddexp(total[..., mine], lse[..., theirs])
+    torch.mul(band, (band_lse - total).exp().unsqueeze(-1).to(band.dtype), out=out)
+    for part, lse, mine in overlaps:
+        out[..., mine, :].addcmul_(part, (lse - total[..., mine]).exp().unsqueeze(-1).to(part.dtype))
 
 
 _compiled_flex = None
