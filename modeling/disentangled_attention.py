@@ -178,10 +178,10 @@ KEEP_WORKSPACE = True  # False: every forward allocates its own buffers (tests, 
 def inference_workspace(module: torch.nn.Module) -> dict | None:
     """The buffers `module`'s inference forwards share on this thread (see `RelativePositions.workspace`).
 
-    Kept between calls, as a caching allocator would keep them, so that a forward does not fault in fresh pages each
-    time: three block buffers, T, U's bands and the bias, each as large as the largest block has needed
-    (`benchmarks.cpu_inference` times fresh ones and prints what is held after a call). Per thread, so that threads serving one model never
-    share a buffer; `release_workspace(model)` frees them."""
+    Kept between calls, as a caching allocator would keep them, so that a forward does not fault in fresh pages
+    each time: three block buffers, T, U's bands and the bias, each as large as the largest block has needed
+    (`benchmarks.cpu_inference` times fresh ones and prints what is held after a call). Per thread, so that
+    threads serving one model never share a buffer; `release_workspace(model)` frees them."""
     if not KEEP_WORKSPACE:
         return None
     held = getattr(_workspaces, "by_module", None)
@@ -781,18 +781,19 @@ def _band_table(
     padded: list[tuple[int | None, list[int]]],
     near: tuple[int, int] | None,
 ) -> list[Tensor]:
-    """U of a block's keys for its query rows only, `block` = (rows, keys), by band of `BAND_TABLE_KEYS` keys: built for
-    each block, just before its add reads it, over a group of sequences ([g, H, L, D] `key`).
+    """U of a block's keys for its query rows only, `block` = (rows, keys), by band of `BAND_TABLE_KEYS` keys, over a
+    group of sequences ([g, H, L, D] `key`): built for each block, just before its add reads it.
 
-    Band [s, e) is [H, g, e - s, columns], contiguous: U[j, c] = k_j . Qr[δ(c + first + 1 - e)] for key j of the band
-    and rows [first, last), so that row i reads key j at column c = (i - first) - (j - s) + (e - s - 1), and
-    0 <= c < rows + (e - s) - 1: a band's row holds the distances its key is read at by these rows (a parallelogram
+    Band [s, e) is [H, g, e - s, columns], contiguous: U[j, c] = k_j . Qr[δ(c + first + 1 - e)] for key j of the
+    band and rows [first, last), so that row i reads key j at column c = (i - first) - (j - s) + (e - s - 1), and
+    0 <= c < rows + (e - s) - 1. A band's row holds the distances its key is read at by these rows (a parallelogram
     in bands, 1.33x the block's pairs for 192 rows), and each band is one product written where it stays. Until
-    this, U was one table by distance per sequence, computed once: at 512 tokens and more it was no longer in
+    1d6c8aa U was one table by distance per sequence, computed once: at 512 tokens and more it was no longer in
     cache when the blocks read it, and the add, which reads one cache line per key, waited on memory
-    (`python -m benchmarks.cpu_inference --baseline 713ad96` times the two). Bands lie one after another, so that `_band_view` reads several whole bands in one view. `qr_ascending` is Qr by distance from `low`.
-    The rows of the `padded` keys (`_padded_keys`) are the dtype's minimum; with `near`, the columns of distances
-    d <= near[0] or d >= near[1] (the far parts' keys) are -inf.
+    (`python -m benchmarks.cpu_inference --baseline 713ad96` times the two). Bands lie one after another, so that
+    `_band_view` reads several whole bands in one view. `qr_ascending` is Qr by distance from `low`. The rows of
+    the `padded` keys (`_padded_keys`) hold the dtype's minimum; with `near`, the columns of the distances
+    d <= near[0] and d >= near[1] (the far parts' keys) hold -inf.
     """
     (rows, keys), (groups, heads, _, _) = block, key.shape
     sizes = [min(BAND_TABLE_KEYS, keys.stop - first) for first in range(keys.start, keys.stop, BAND_TABLE_KEYS)]
@@ -827,11 +828,10 @@ def _padded_keys(mask: Tensor) -> list[tuple[int | None, list[int]]]:
     return padded
 
 
-def _band_view(table: Tensor, bands: int | None = None) -> Tensor:
-    """p2c of the block's rows from a band of `_band_table` ([H, g, keys, columns]): [g, H, rows, keys]; with `bands`,
-    that band and the `bands` - 1 whole bands after it: [g, H, rows, bands, keys]."""
+def _band_view(table: Tensor, rows: int, bands: int | None = None) -> Tensor:
+    """p2c of the block's `rows` query rows from a band of `_band_table` ([H, g, keys, columns]): [g, H, rows, keys];
+    with `bands`, that band and the `bands` - 1 whole bands after it: [g, H, rows, bands, keys]."""
     heads, groups, size, width = table.shape
-    rows = width - size + 1  # at least: the columns are rounded up
     shape, strides = [groups, heads, rows, size], [table.stride(1), table.stride(0), 1, width - 1]
     if bands is not None:
         shape.insert(3, bands)
@@ -848,9 +848,9 @@ def _band_views(bands: list[Tensor], rows: int) -> list[tuple[slice, Tensor]]:
     parts = []
     for first in range(0, whole, per_part):
         count = min(per_part, whole - first)
-        parts.append((slice(first * band, (first + count) * band), _band_view(bands[first], count)[:, :, :rows]))
+        parts.append((slice(first * band, (first + count) * band), _band_view(bands[first], rows, count)))
     if whole < len(bands):
-        parts.append((slice(whole * band, whole * band + bands[-1].shape[-2]), _band_view(bands[-1])[:, :, :rows]))
+        parts.append((slice(whole * band, whole * band + bands[-1].shape[-2]), _band_view(bands[-1], rows)))
     return parts
 
 
@@ -906,7 +906,7 @@ def _merge_block(
 ) -> None:
     """out = the band's attention of query rows `rows` ([g, H, n, D], with its log-sum-exp) merged with the far
     parts' (`_far_parts`) over the same rows, by log-sum-exp. `out` is a [g, H, n, D] view of the context."""
-    overlaps = []  # (far part's rows, the block's rows) where they meet
+    overlaps = []  # (the far part's context and log-sum-exp over the rows it shares with the block, those rows)
     total = band_lse
     for part, lse, part_rows in far:
         first, last = max(rows.start, part_rows.start), min(rows.stop, part_rows.stop)
