@@ -41,6 +41,7 @@ the backend needs them. Then:
 
 from __future__ import annotations
 
+import bisect
 import inspect
 import math
 import threading
@@ -585,10 +586,13 @@ def _round_up(columns: int) -> int:
     return -(-columns // PRODUCT_COLUMNS_MULTIPLE) * PRODUCT_COLUMNS_MULTIPLE
 
 
-def _with_spare_rows(index: Tensor) -> Tensor:
-    """`index` and PRODUCT_COLUMNS_MULTIPLE - 1 more entries (repeats of its last), so that a product over any
-    run of its rows can be widened to a multiple of PRODUCT_COLUMNS_MULTIPLE columns."""
-    return torch.cat([index, index[-1:].expand(PRODUCT_COLUMNS_MULTIPLE - 1)])
+def _rows_by_distance(relative: Tensor, positions: RelativePositions, first: int, step: int, count: int) -> Tensor:
+    """relative[:, column of d] ([H, count + spare, D]) for the distances d = first, first + step, ... (step 1 or
+    -1), and PRODUCT_COLUMNS_MULTIPLE - 1 spare rows after them, so that a product over any run of the rows can be
+    widened to a multiple of PRODUCT_COLUMNS_MULTIPLE columns (the spare distances are clamped into [1 - L, L - 1])."""
+    length, spare = positions.length, PRODUCT_COLUMNS_MULTIPLE - 1
+    distances = torch.arange(count + spare, device=positions.column.device) * step + first
+    return relative.index_select(-2, positions.column[distances.clamp(1 - length, length - 1) + length - 1])
 
 
 def _skewed(table: Tensor, offset: int, row_step: int, column_step: int, shape: tuple[int, int]) -> Tensor:
@@ -651,14 +655,10 @@ def _attend_by_distance(
     high = max(rows.stop - 1 - keys.start for rows, keys in blocks)
     # The masked keys' value in U: the dtype's minimum absorbs every term added to it (float16's would not).
     fill_keys = key_mask and pos_query is not None and query.dtype != torch.float16
-    kr_descending = None  # Kr by distance, descending from `high` over the distances T reads (and spare rows)
-    if pos_key is not None:
-        distances = torch.arange(high, low - PRODUCT_COLUMNS_MULTIPLE, -1, device=positions.column.device)
-        kr_descending = pos_key.index_select(-2, positions.column[distances.clamp(min=1 - length) + length - 1])
-    qr_ascending = None
-    if pos_query is not None:  # Qr by distance, ascending over [low, high] (and spare rows)
-        middle = length - 1
-        qr_ascending = pos_query.index_select(-2, _with_spare_rows(positions.column[low + middle : high + middle + 1]))
+    # Kr by distance descending from `high`, Qr ascending from `low`: the distances T and U read
+    kr_descending = _rows_by_distance(pos_key, positions, high, -1, high - low + 1) if pos_key is not None else None
+    qr_ascending = _rows_by_distance(pos_query, positions, low, 1, high - low + 1) if pos_query is not None else None
+    near = positions.near if split else None  # U's columns of the far parts' distances are -inf
     context = query.new_empty(batch, length, heads, dim)
     for start in range(0, batch, group):
         sequences = slice(start, min(start + group, batch))
@@ -696,7 +696,6 @@ def _attend_by_distance(
                 row, column = table_c2p.stride(2), table_c2p.stride(3)
                 bias = _skewed(table_c2p, (shape[0] - 1 - skip_above) * column, row - column, column, shape)
             if pos_query is not None:  # p2c from U by band of keys, for these rows (`_band_table`)
-                near = positions.near if split else None
                 table = _band_table(positions, group_key, qr_ascending, low, (rows, keys), padded_keys, near)
                 parts = _band_views(table, shape[0])
                 bias_shape = (sequences.stop - sequences.start, heads, *shape)
@@ -805,9 +804,10 @@ def _band_table(
         nearest = rows.start + 1 - (start + size)  # the distance of column 0
         product = table.view(heads, groups * size, width)
         _by_head(key[:, :, start : start + size], qr_ascending[:, nearest - low : nearest - low + width], out=product)
-        for sequence, padded_keys in padded:
-            inside = [index - start for index in padded_keys if start <= index < start + size]
+        for sequence, padded_keys in padded:  # sorted: the band's are one run of them
+            inside = padded_keys[bisect.bisect_left(padded_keys, start) : bisect.bisect_left(padded_keys, start + size)]
             if inside:
+                inside = [index - start for index in inside]
                 target = table[:, sequence] if sequence is not None else table
                 target.index_fill_(-2, torch.tensor(inside, device=table.device), torch.finfo(key.dtype).min)
         if near is not None:  # after the padded keys' rows, so that these columns stay -inf
@@ -819,7 +819,8 @@ def _band_table(
 
 
 def _padded_keys(mask: Tensor) -> list[tuple[int | None, list[int]]]:
-    """(sequence, or None for every sequence, and the keys the [g | 1, 1, 1, L] mask leaves out) where there are any."""
+    """(sequence, or None for every sequence, and the keys the [g | 1, 1, 1, L] mask leaves out, ascending) where
+    there are any."""
     padded = []
     for sequence, padding in enumerate(~mask[:, 0, 0]):
         keys = padding.nonzero().flatten().tolist()
@@ -907,7 +908,7 @@ def _merge_block(
     """out = the band's attention of query rows `rows` ([g, H, n, D], with its log-sum-exp) merged with the far
     parts' (`_far_parts`) over the same rows, by log-sum-exp. `out` is a [g, H, n, D] view of the context."""
     overlaps = []  # (the far part's context and log-sum-exp over the rows it shares with the block, those rows)
-    total = band_lse
+    total = band_lse.clone()
     for part, lse, part_rows in far:
         first, last = max(rows.start, part_rows.start), min(rows.stop, part_rows.stop)
         if first < last:
@@ -916,7 +917,6 @@ def _merge_block(
                 slice(first - part_rows.start, last - part_rows.start),
             )
             overlaps.append((part[..., theirs, :], lse[..., theirs], mine))
-            total = total.clone() if total is band_lse else total
             total[..., mine] = torch.logaddexp(total[..., mine], lse[..., theirs])
     torch.mul(band, (band_lse - total).exp().unsqueeze(-1).to(band.dtype), out=out)
     for part, lse, mine in overlaps:

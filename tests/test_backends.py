@@ -234,7 +234,7 @@ def test_sdpa_inference_beyond_the_buckets_reach_matches_eager(variant):
 
 @pytest.mark.parametrize("variant", ["v3", "clipped-distances", "c2p-only", "p2c-only"])
 @pytest.mark.parametrize("block_elements", [None, 1 << 20])  # the fixture's 7-row blocks, or whole groups
-@pytest.mark.parametrize("band_keys", [None, 7])  # U in bands of 64 keys (one, partial, here), or of 7
+@pytest.mark.parametrize("band_keys", [None, 7])  # U in bands of 64 keys (up to three here), or of 7
 def test_sdpa_inference_by_distance_matches_eager_at_every_position(monkeypatch, variant, block_elements, band_keys):
     """CPU inference reads the position terms as strided views of tables by distance: padded keys are masked
     through rows of U's bands (the dtype's minimum), keys outside the band through -inf columns, and the far
