@@ -47,7 +47,7 @@ import math
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -108,10 +108,10 @@ class RelativePositions:
     # and `far_columns[1]` for every d >= near[1]. Python ints, so that reading them costs no device sync.
     near: tuple[int, int] = (0, 0)
     far_columns: tuple[int, int] = (0, 0)
-    # Buffers that the blocks and layers of a forward reuse (sdpa's CPU inference: T, U's bands, the bias):
-    # a tensor above glibc's mmap threshold (32 MiB) is fresh memory on every allocation, whose pages fault on
-    # first touch.
-    # In inference the encoder passes `inference_workspace(encoder)`, so that later forwards reuse them too.
+    # Buffers that the blocks and layers of a forward reuse (sdpa on the CPU: in inference T, U's bands and the
+    # bias; in training the c2p and p2c tables of a block and their gradients): a tensor above glibc's mmap
+    # threshold is fresh memory on every allocation, whose pages fault on first touch.
+    # The encoder passes `kept_workspace(encoder)`, so that later forwards (and training steps) reuse them too.
     workspace: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -176,13 +176,15 @@ _workspaces = threading.local()  # per thread: {module: workspace}, weakly keyed
 KEEP_WORKSPACE = True  # False: every forward allocates its own buffers (tests, A/B timing)
 
 
-def inference_workspace(module: torch.nn.Module) -> dict | None:
-    """The buffers `module`'s inference forwards share on this thread (see `RelativePositions.workspace`).
+def kept_workspace(module: torch.nn.Module) -> dict | None:
+    """The buffers `module`'s forwards share on this thread (see `RelativePositions.workspace`).
 
     Kept between calls, as a caching allocator would keep them, so that a forward does not fault in fresh pages
-    each time: three block buffers, T, U's bands and the bias, each as large as the largest block has needed
-    (`benchmarks.cpu_inference` times fresh ones and prints what is held after a call). Per thread, so that
-    threads serving one model never share a buffer; `release_workspace(model)` frees them."""
+    each time: in inference three block buffers, T, U's bands and the bias; in training a block's c2p table and a
+    group's p2c table, which the backward reuses for their gradients; each as large as the largest block has
+    needed (`benchmarks.cpu_inference` times fresh ones and prints what is held after a call). Every use is
+    within one call of a forward or a backward, never across them. Per thread, so that threads serving one model
+    never share a buffer; `release_workspace(model)` frees them."""
     if not KEEP_WORKSPACE:
         return None
     held = getattr(_workspaces, "by_module", None)
@@ -192,7 +194,7 @@ def inference_workspace(module: torch.nn.Module) -> dict | None:
 
 
 def release_workspace(model: torch.nn.Module) -> None:
-    """Free the inference buffers that `model` (or any of its modules) keeps on this thread."""
+    """Free the buffers that `model` (or any of its modules) keeps on this thread."""
     held = getattr(_workspaces, "by_module", None)
     for module in model.modules() if held is not None else ():
         held.pop(module, None)
@@ -349,13 +351,11 @@ def sdpa_disentangled(
     key, value = key.flip(-2), value.flip(-2)  # j' = L - 1 - j
     mask = attention_mask.flip(-1) if attention_mask is not None else None
     positions = position_scores.positions
-    if not inference and on_cpu and position_scores.p2p is None:  # CPU training
-        # [H, B, L, W] in memory, read as [B, H, L, W]: one product per head, which einsum would copy into
-        # [B, H, L, W] (and its backward back again); BlockedAttention gives the gradients the same layout.
+    if not inference and on_cpu and position_scores.p2p is None:  # CPU training: the tables made block by block
         pos_key, pos_query = position_scores.pos_key, position_scores.pos_query
-        c2p = _by_head(query, pos_key) if pos_key is not None else None
-        p2c = _by_head(key, pos_query) if pos_query is not None else None  # p2c of the reversed keys
-        context = BlockedAttention.apply(query, key, value, c2p, p2c, mask, positions, scaling, dropout, block_elements)
+        context = BlockedAttention.apply(
+            query, key, value, pos_key, pos_query, mask, positions, scaling, dropout, block_elements
+        )
         return context, None
     context = _attend_in_blocks(position_scores, query, key, value, mask, scaling, dropout, block_elements, inference)
     return context, None
@@ -466,26 +466,36 @@ class BlockedAttention(torch.autograd.Function):
     """softmax(c2c + c2p + p2c, masked), dropout, @ v: one block of query rows at a time, with its own backward.
 
     For training on the CPU, where SDPA with a bias that needs a gradient runs its math path. Inputs: query,
-    reversed key and value [B, H, L, D], the c2p table and the p2c table of the reversed keys [B, H, L, W]
-    (either may be None), a reversed bool mask [B, 1, 1 | L, L] or None. Returns the context [B, L, H, D].
-    The forward keeps each block's probabilities (and dropout mask), as eager and SDPA's math path keep the
-    whole [B, H, L, L]; q . k is added to the gathered position terms by the product itself (`baddbmm_`). The
-    backward sends dS = P * (dP - rowsum(dO * O)) straight into the two tables with `scatter_add_` along the
-    same Hankel views the forward gathered with, block by block, so no other [B, H, L, L] tensor is made.
+    reversed key and value [B, H, L, D], the projected relative rows Kr and Qr [H, W, D] (either may be None), a
+    reversed bool mask [B, 1, 1 | L, L] or None. Returns the context [B, L, H, D].
+
+    The position tables exist only where a block reads them, in buffers of the workspace: c2p of the block's rows
+    (q_i . Kr[r]) and p2c of its group's reversed keys (k_j' . Qr[r]), each one product per head. The forward keeps
+    each block's probabilities (and dropout mask), as eager and SDPA's math path keep the whole [B, H, L, L]; q . k
+    is added to the gathered position terms by the product itself (`baddbmm_`). The backward sends
+    dS = P * (dP - rowsum(dO * O)) into the same two tables' buffers with `scatter_add_`, along the Hankel views the
+    forward gathered with, and from there into q and Kr (for each block) and k and Qr (for each group), so no
+    other [B, H, L, L] tensor and no whole [B, H, L, W] table is made. The workspace is kept between calls (on the
+    forward's thread), so a step does not fault in fresh pages for tables that the last step also wrote.
     """
 
     @staticmethod
-    def forward(ctx, query, key, value, c2p, p2c, mask, positions, scaling, dropout, block_elements=None):
+    def forward(ctx, query, key, value, pos_key, pos_query, mask, positions, scaling, dropout, block_elements=None):
         batch, heads, length, dim = query.shape
         tiles = _tiles(query, block_elements or SDPA_BLOCK_ELEMENTS)
         probs, keeps = [], []  # per block: P, and where dropout keeps it
         context = query.new_empty(batch, length, heads, dim)
+        # in the query's dtype: under autocast the relative rows may be float32
+        kr, qr = (rows.to(query.dtype) if rows is not None else None for rows in (pos_key, pos_query))
+        group, p2c_rows = None, None
         with torch.autocast(query.device.type, enabled=False):  # the inputs already carry autocast's dtype
             scaled_query = query * scaling  # scaled before q . k, as in eager: q . k itself can overflow float16
             for sequences, first, last in tiles:
                 rows = slice(first, last)
-                c2p_rows = c2p[sequences, :, rows] if c2p is not None else None
-                p2c_rows = p2c[sequences].mT if p2c is not None else None  # read by table row
+                if qr is not None and sequences != group:  # p2c of this group's reversed keys, read by table row
+                    p2c_rows = _position_rows(positions, "p2c", key[sequences], qr).mT
+                    group = sequences
+                c2p_rows = _position_rows(positions, "c2p", query[sequences, :, rows], kr) if kr is not None else None
                 group_heads = (sequences.stop - sequences.start, heads)
                 scores = _block_bias(positions, c2p_rows, p2c_rows, None, first, last, group_heads)  # c2p + p2c
                 scores.view(-1, *scores.shape[-2:]).baddbmm_(  # + c2c: q_i . k_j (the bias is fresh, contiguous)
@@ -499,51 +509,87 @@ class BlockedAttention(torch.autograd.Function):
                 if dropout > 0:
                     block_keep = dropout_keep_mask(block_probs.shape, dropout, block_probs.device)
                     keeps.append(block_keep)
-                    block_probs = torch.where(block_keep, block_probs, 0)  # (a bool factor would be cast to a copy)
+                    block_probs = block_probs * block_keep  # a bool factor: one pass, half a `where`'s time
                 attended = block_probs @ value[sequences]
                 if dropout > 0:  # 1 / (1 - p) on the [n, D] product rather than on the [n, L] probabilities
                     attended.mul_(1 / (1 - dropout))
                 context[sequences, rows] = attended.transpose(1, 2)
-        ctx.save_for_backward(scaled_query, key, value, context, *probs, *keeps)
+        ctx.save_for_backward(query, key, value, kr, qr, context, *probs, *keeps)
         ctx.tiles, ctx.positions, ctx.scaling, ctx.dropout = tiles, positions, scaling, dropout
-        ctx.table_width = (c2p if c2p is not None else p2c).shape[-1]
-        ctx.table_strides = tuple(table.stride() if table is not None else None for table in (c2p, p2c))
+        ctx.thread = threading.get_ident()
+        ctx.relative_dtypes = tuple(rows.dtype if rows is not None else None for rows in (pos_key, pos_query))
         return context
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_context):
-        scaled_query, key, value, context, *blocks = ctx.saved_tensors
+        query, key, value, kr, qr, context, *blocks = ctx.saved_tensors
         tiles, scaling, dropout, positions = ctx.tiles, ctx.scaling, ctx.dropout, ctx.positions
+        if ctx.thread != threading.get_ident():  # the workspace is the forward thread's: take fresh buffers
+            positions = replace(positions, workspace={})
         probs, keeps = blocks[: len(tiles)], blocks[len(tiles) :] or [None] * len(tiles)
-        table_shape = (*scaled_query.shape[:3], ctx.table_width)
-        grad_query, grad_key = torch.empty_like(scaled_query), torch.zeros_like(key)
-        grad_value = torch.zeros_like(value)
-        # gradients laid out as the tables were; each block zeroes its own rows of grad_c2p
-        c2p_strides, p2c_strides = ctx.table_strides
-        grad_c2p = scaled_query.new_empty_strided(table_shape, c2p_strides) if c2p_strides else None
-        grad_p2c = scaled_query.new_empty_strided(table_shape, p2c_strides).zero_() if p2c_strides else None
+        grad_query, grad_key, grad_value = torch.empty_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        # contiguous (the rows are a permuted view of the projection): a product into it runs as one batched call
+        grad_kr, grad_qr = (rows.new_zeros(rows.shape) if rows is not None else None for rows in (kr, qr))
         delta = (grad_context * context).sum(-1).transpose(1, 2)  # [B, H, L]: rowsum(dO * O) = rowsum(P * dP)
+        group = grad_p2c = None
         for (sequences, first, last), block_probs, block_keep in zip(tiles, probs, keeps):
             rows = slice(first, last)
+            if qr is not None and sequences != group:  # the p2c table's gradient, one group of sequences at a time
+                if group is not None:
+                    _position_rows_backward(grad_p2c, key[group], qr, grad_key[group], grad_qr)
+                grad_p2c = _position_rows(positions, "p2c", key[sequences], qr, zeroed=True)
+                group = sequences
             grad_out = grad_context[sequences, rows].transpose(1, 2)  # dO [g, H, n, D]
             dropped = block_probs  # what multiplied v, but for 1 / (1 - p)
             if block_keep is not None:
                 grad_out = grad_out * (1 / (1 - dropout))  # [n, D], not [n, L]
-                dropped = torch.where(block_keep, block_probs, 0)
+                dropped = block_probs * block_keep
             grad_probs = grad_out @ value[sequences].mT  # dP
             if block_keep is not None:
-                grad_probs = torch.where(block_keep, grad_probs, 0)
+                grad_probs.mul_(block_keep)
             grad_value[sequences] += dropped.mT @ grad_out
             grad_scores = grad_probs.sub_(delta[sequences, :, rows, None]).mul_(block_probs)  # dS, softmax's backward
+            block_query = query[sequences, :, rows]
             grad_query[sequences, :, rows] = (grad_scores @ key[sequences]) * scaling
-            grad_key[sequences] += grad_scores.mT @ scaled_query[sequences, :, rows]
+            grad_key[sequences] += (grad_scores.mT @ block_query) * scaling
             index = positions.hankel(first, last - first, positions.length).expand_as(grad_scores)
-            if grad_c2p is not None:  # c2p[i, column[i + j']] received dS[i, j']
-                grad_c2p[sequences, :, rows].zero_().scatter_add_(-1, index, grad_scores)
-            if grad_p2c is not None:  # p2c[j', column[i + j']] received dS[i, j']
-                grad_p2c[sequences].mT.scatter_add_(-2, index, grad_scores)
-        return grad_query, grad_key, grad_value, grad_c2p, grad_p2c, None, None, None, None, None
+            if kr is not None:  # c2p[i, column[i + j']] received dS[i, j'], and passes it on to q_i and Kr
+                grad_c2p = _position_rows(positions, "c2p", block_query, kr, zeroed=True)
+                grad_c2p.scatter_add_(-1, index, grad_scores)
+                _position_rows_backward(grad_c2p, block_query, kr, grad_query[sequences, :, rows], grad_kr)
+            if qr is not None:  # p2c[j', column[i + j']] received dS[i, j']
+                grad_p2c.mT.scatter_add_(-2, index, grad_scores)
+        if group is not None:
+            _position_rows_backward(grad_p2c, key[group], qr, grad_key[group], grad_qr)
+        grad_pos_key, grad_pos_query = (
+            grad.to(dtype) if grad is not None else None for grad, dtype in zip((grad_kr, grad_qr), ctx.relative_dtypes)
+        )
+        return grad_query, grad_key, grad_value, grad_pos_key, grad_pos_query, None, None, None, None, None
+
+
+def _position_rows(positions: RelativePositions, kind: str, content: Tensor, relative: Tensor, zeroed=False) -> Tensor:
+    """content [g, H, n, D] against relative rows [H, W, D]: the table [g, H, n, W] in the workspace's `kind` buffer
+    (laid out [H, g, n, W]: one product per head), or, `zeroed`, a zeroed buffer of that shape for its gradient."""
+    groups, heads, count, _ = content.shape
+    table = _scratch(positions, kind, (heads, groups * count, relative.shape[-2]), content)
+    if zeroed:
+        table.zero_()
+    else:
+        _by_head(content, relative, out=table)
+    return table.view(heads, groups, count, -1).transpose(0, 1)
+
+
+def _position_rows_backward(
+    grad_table: Tensor, content: Tensor, relative: Tensor, grad_content: Tensor, grad_relative: Tensor
+) -> None:
+    """The gradient of a `_position_rows` table [g, H, n, W]: dcontent = dT R is added to `grad_content`
+    [g, H, n, D] and drelative = dTᵀ content to `grad_relative` [H, W, D], one product per head."""
+    groups, heads, count, dim = content.shape
+    flat_grad = grad_table.transpose(0, 1).reshape(heads, groups * count, -1)  # a view of the [H, g * n, W] buffer
+    flat_content = content.transpose(0, 1).reshape(heads, groups * count, dim)  # a view when g = 1
+    grad_content += torch.bmm(flat_grad, relative).view(heads, groups, count, dim).transpose(0, 1)
+    grad_relative.baddbmm_(flat_grad.mT, flat_content)
 
 
 DROPOUT_BITS = 15  # random bits per dropout decision (`dropout_keep_mask`)

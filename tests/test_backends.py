@@ -299,7 +299,7 @@ def test_far_parts_hand_the_flash_kernel_masks_it_reads_in_place(monkeypatch, pa
     assert max_abs_diff(actual, expected, batch["attention_mask"]) <= 1e-5 * max(1.0, expected.abs().max().item())
 
 
-def test_inference_workspace_is_kept_between_calls_and_stays_exact(monkeypatch):
+def test_kept_workspace_is_kept_between_calls_and_stays_exact(monkeypatch):
     """CPU inference keeps its buffers (the p2c table with its -inf columns, the block buffers) between calls, per
     model and thread. Inputs of other lengths and paddings in any order, in and out of inference mode, give exactly
     what a call with fresh buffers gives, and `release_workspace` frees them."""
@@ -325,16 +325,52 @@ def test_inference_workspace_is_kept_between_calls_and_stays_exact(monkeypatch):
         assert max_abs_diff(actual, reference(**batch).last_hidden_state, batch["attention_mask"]) <= 1e-5 * max(
             1.0, expected.abs().max().item()
         )
-        held = backends.inference_workspace(sdpa.encoder)
-        assert "band table" in held and not backends.inference_workspace(fresh.encoder)
+        held = backends.kept_workspace(sdpa.encoder)
+        assert "band table" in held and not backends.kept_workspace(fresh.encoder)
         sdpa.release_workspace()
-        assert not backends.inference_workspace(sdpa.encoder)
-    sdpa.train()  # training (with gradients) keeps nothing
-    sdpa(**batches[0]).last_hidden_state.sum().backward()
-    assert not backends.inference_workspace(sdpa.encoder)
+        assert not backends.kept_workspace(sdpa.encoder)
 
 
-def test_inference_workspace_is_per_thread():
+def test_training_workspace_is_kept_between_steps_and_stays_exact(monkeypatch):
+    """CPU training makes a block's c2p table and a group's p2c table (and their gradients) in buffers kept between
+    steps. Steps of other lengths and paddings, inference calls in between, two forwards before one backward and a
+    backward on another thread all give exactly the gradients of a model with fresh buffers (which match eager's:
+    `test_sdpa_matches_eager_outputs_and_gradients`)."""
+    reference = build("eager")
+    sdpa = with_implementation(reference, "sdpa").train()
+    fresh = with_implementation(reference, "sdpa").train()
+    batches = [padded_batch(100, [150, 97]), padded_batch(100, [40, 23, 31]), padded_batch(100, [120, 150, 3])]
+
+    def gradients(model, steps, keep, threaded=False):
+        monkeypatch.setattr(backends, "KEEP_WORKSPACE", keep)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        losses = [model(**batch).last_hidden_state.square().mean() for batch in steps]
+        if threaded:  # the backward on a thread other than the forward's
+            worker = threading.Thread(target=lambda: sum(losses).backward())
+            worker.start()
+            worker.join()
+        else:
+            sum(losses).backward()
+        monkeypatch.setattr(backends, "KEEP_WORKSPACE", True)
+        return {
+            name: parameter.grad.clone() for name, parameter in model.named_parameters() if parameter.grad is not None
+        }
+
+    for index, steps in enumerate([batches[:1], batches[1:2], batches[::2], batches[2:], batches[:1]]):
+        if index == 2:  # inference in between: its buffers, made in inference mode, are replaced in training
+            with torch.inference_mode():
+                sdpa.eval()(**batches[1])
+            sdpa.train()
+        actual = gradients(sdpa, steps, keep=True, threaded=index == 3)
+        expected = gradients(fresh, steps, keep=False)
+        assert actual.keys() == expected.keys() and all(torch.equal(actual[name], expected[name]) for name in actual)
+    assert {"c2p", "p2c"} <= backends.kept_workspace(sdpa.encoder).keys()
+    sdpa.release_workspace()
+    assert not backends.kept_workspace(sdpa.encoder)
+
+
+def test_kept_workspace_is_per_thread():
     """Two threads running one model at once each get their own buffers and the single-thread outputs."""
     sdpa = build("sdpa")
     batches = [padded_batch(100, [150, 97]), padded_batch(100, [140, 150], seed=1)]
@@ -348,7 +384,7 @@ def test_inference_workspace_is_per_thread():
         with torch.no_grad():
             for _ in range(3):
                 results[index] = sdpa(**batches[index]).last_hidden_state
-        workspaces[index] = backends.inference_workspace(sdpa.encoder)
+        workspaces[index] = backends.kept_workspace(sdpa.encoder)
 
     threads = [threading.Thread(target=serve, args=(index,)) for index in range(2)]
     for thread in threads:
@@ -368,15 +404,19 @@ def blocked_attention_inputs(dtype=torch.float64, length=12, batch=2, heads=3, d
         return torch.randn(*shape, generator=generator, dtype=dtype, requires_grad=True)
 
     query, key, value = (tensor(batch, heads, length, dim) for _ in range(3))
-    c2p, p2c = (tensor(batch, heads, length, positions.width) for _ in range(2))
+    pos_key, pos_query = (tensor(heads, positions.width, dim) for _ in range(2))  # Kr, Qr
     keep = torch.ones(batch, 1, 1, length, dtype=torch.bool)
     keep[1, ..., : length // 3] = False  # reversed keys: padding comes first
-    return query, key, value, c2p, p2c, keep, positions
+    return query, key, value, pos_key, pos_query, keep, positions
 
 
-def reference_attention(query, key, value, c2p, p2c, keep, positions, scaling, dropout_keep=None, dropout=0.0):
-    """softmax(q k'ᵀ scaled + c2p + p2c, masked) (dropout) @ v with the dense Hankel index: [B, L, H, D]."""
+def reference_attention(
+    query, key, value, pos_key, pos_query, keep, positions, scaling, dropout_keep=None, dropout=0.0
+):
+    """softmax(q k'ᵀ scaled + c2p + p2c, masked) (dropout) @ v with the whole tables c2p = q Krᵀ, p2c = k' Qrᵀ
+    and the dense Hankel index: [B, L, H, D]."""
     length = query.shape[-2]
+    c2p, p2c = query @ pos_key.mT, key @ pos_query.mT
     index = positions.hankel(0, length, length)  # column of (i, j'), keys reversed
     c2p_bias = c2p.gather(-1, index.expand(*c2p.shape[:2], length, length))
     p2c_bias = p2c.mT.gather(-2, index.expand(*p2c.shape[:2], length, length))
@@ -418,7 +458,7 @@ def test_blocked_attention_matches_the_dense_formula():
         actual_grads = torch.autograd.grad((actual * weights).sum(), tensors)
         expected_grads = torch.autograd.grad((expected * weights).sum(), tensors)
         assert (actual - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
-        for name, got, want in zip(("query", "key", "value", "c2p", "p2c"), actual_grads, expected_grads):
+        for name, got, want in zip(("query", "key", "value", "Kr", "Qr"), actual_grads, expected_grads):
             assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item()), name
 
 
