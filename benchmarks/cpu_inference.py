@@ -53,9 +53,9 @@ VARIANTS = {
 }
 
 
-def baseline_attention(revision: str, folder: Path):
-    """`_attend_by_distance` of modeling/disentangled_attention.py at git `revision`, imported as a sibling module
-    of the current one (its relative imports resolve to today's package)."""
+def baseline_backends(revision: str, folder: Path):
+    """modeling/disentangled_attention.py at git `revision`, imported as a sibling module of the current one (its
+    relative imports resolve to today's package)."""
     root = Path(__file__).resolve().parent.parent
     shown = subprocess.run(
         ["git", "show", f"{revision}:modeling/disentangled_attention.py"], cwd=root, capture_output=True, text=True
@@ -71,7 +71,7 @@ def baseline_attention(revision: str, folder: Path):
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
-    return module._attend_by_distance
+    return module
 
 
 PRODUCT_SHAPES = [(512, 255), (512, 256), (128, 639), (128, 640), (192, 1017), (192, 1024)]  # (rows, columns)
@@ -156,8 +156,8 @@ def far_call_timings(lengths: list[int], repeats: int) -> None:
 
 
 def held_mib(model) -> float:
-    """MiB of the buffers `model` keeps on this thread after its last inference call."""
-    workspace = backends.inference_workspace(model.encoder) or {}
+    """MiB of the buffers `model` keeps on this thread after its last call."""
+    workspace = backends.kept_workspace(model.encoder) or {}
     tensors = [value for value in workspace.values() if isinstance(value, torch.Tensor)]
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors) / 2**20
 
@@ -215,7 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as folder:
         models = build_models(args.layers, Path(folder), ["sdpa"], False)
         if args.baseline:
-            variants[f"at-{args.baseline}"] = {"_attend_by_distance": baseline_attention(args.baseline, Path(folder))}
+            variants[f"at-{args.baseline}"] = {
+                "_attend_by_distance": baseline_backends(args.baseline, Path(folder))._attend_by_distance
+            }
     ours, bert = models["ours-sdpa"], models["bert-sdpa"]
     defaults = {name: getattr(backends, name) for settings in variants.values() for name in settings}
 
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, value in {**defaults, **variants[variant]}.items():
             setattr(backends, name, value)
         if backends.KEEP_WORKSPACE:
-            backends.inference_workspace(ours.encoder)  # makes this thread's {module: workspace} map
+            backends.kept_workspace(ours.encoder)  # makes this thread's {module: workspace} map
             backends._workspaces.by_module[ours.encoder] = workspaces.setdefault(variant, {})
         return time_once(ours, inputs, False)
 

@@ -1,56 +1,130 @@
-"""One training step (forward + backward) of our eager and sdpa backends against transformers' DeBERTa-v2.
+"""One training step (forward + backward) of ours against transformers' DeBERTa-v2 and a same-size BERT.
 
-    python -m benchmarks.train_step [--batch 2 --length 512 --layers 2 --threads 1 --repeats 4]
+    python -m benchmarks.train_step                                   # 2x512, 2 layers: eager, sdpa, transformers
+    python -m benchmarks.train_step --cases 4x128 2x512 --threads 2 --no-eager --baseline c965533
+    python -m benchmarks.train_step --cases 2x512 --threads 2 --no-eager --baseline c965533 --processes 5
 
-Same DeBERTa-v3-base-shaped weights in all three, dropout as in training, runs interleaved; prints median
-seconds per step (the first repeat is a warm-up) and each one's speed-up over transformers.
+The models, weights and inputs of `benchmarks.run` (v3-base shape, dropout as in training, the last row padded to
+3/4), run interleaved; prints median seconds per step and each one's ratio to BERT-sdpa. With `--baseline REV`, the
+same sdpa model also runs with `sdpa_disentangled` as it was at git revision REV (that commit's
+`modeling/disentangled_attention.py`, loaded beside this one), so that a change to the training path is timed
+against what it replaced in the same process; its gradients are checked against the model's to 1e-4 first.
+`--processes N` runs the comparison in N fresh processes and prints each ratio's median over them with its range.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import tempfile
-import time
+from pathlib import Path
 
 import torch
-import transformers
 
-import disentangled
-from benchmarks.run import V3_BASE
+from benchmarks import machine
+from benchmarks.cpu_inference import baseline_backends, held_mib
+from benchmarks.run import build_models, in_fresh_processes, inputs_for, time_once
+from disentangled.modeling import disentangled_attention as backends
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--length", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=4)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+def gradients(model, inputs) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    config = transformers.DebertaV2Config(**V3_BASE, num_hidden_layers=args.layers)
-    models = {"transformers-deberta": transformers.DebertaV2Model(config).train()}
+    model.zero_grad(set_to_none=True)
+    model(**inputs).last_hidden_state.square().mean().backward()
+    return {name: parameter.grad.clone() for name, parameter in model.named_parameters() if parameter.grad is not None}
+
+
+def timings(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """{case: {model: median seconds per step}}, printed as a table per case."""
     with tempfile.TemporaryDirectory() as folder:
-        models["transformers-deberta"].save_pretrained(folder)
-        for implementation in ("eager", "sdpa"):
-            model = disentangled.DisentangledModel.from_pretrained(folder, attn_implementation=implementation)
-            models[f"ours-{implementation}"] = model.train()
-    input_ids = torch.randint(1, config.vocab_size, (args.batch, args.length))
-    attention_mask = torch.ones_like(input_ids)
-    times: dict[str, list[float]] = {name: [] for name in models}
-    for _ in range(args.repeats):
-        for name, model in models.items():
-            start = time.perf_counter()
-            model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state.pow(2).mean().backward()
-            model.zero_grad(set_to_none=True)
-            times[name].append(time.perf_counter() - start)
-    reference = statistics.median(times["transformers-deberta"][1:])
-    print(f"training step {args.batch}x{args.length}, {args.layers} layers, {args.threads} thread(s)")
-    for name, values in times.items():
-        median = statistics.median(values[1:])
-        print(f"  {name:<22} {median:.3f} s   {reference / median:.2f}x transformers")
+        models = build_models(args.layers, Path(folder), ["sdpa"] if args.no_eager else ["eager", "sdpa"], True)
+        baseline = baseline_backends(args.baseline, Path(folder)).sdpa_disentangled if args.baseline else None
+    ours = models["ours-sdpa"]
+    steps = dict(models)
+    if baseline is not None:
+        steps[f"ours-sdpa at {args.baseline}"] = ours
+    functions = backends.DISENTANGLED_ATTENTION_FUNCTIONS
+
+    def step(name: str, inputs) -> float:
+        functions["sdpa"] = baseline if name.startswith("ours-sdpa at") else backends.sdpa_disentangled
+        return time_once(steps[name], inputs, True)
+
+    medians = {}
+    try:
+        for case in args.cases:
+            batch, length = (int(part) for part in case.split("x"))
+            inputs = inputs_for(batch, length, padded=True)
+            if baseline is not None:  # the same gradients (dropout off: its draws differ from one path to the other)
+                ours.eval()
+                expected = gradients(ours, inputs)
+                functions["sdpa"] = baseline
+                actual = gradients(ours, inputs)
+                functions["sdpa"] = backends.sdpa_disentangled
+                ours.train()
+                for name, grad in expected.items():
+                    if not torch.allclose(actual[name], grad, rtol=1e-4, atol=1e-4 * grad.abs().max().item()):
+                        raise SystemExit(f"at {args.baseline}, the gradient of {name} differs at {case}")
+            ours.release_workspace()  # what this case's steps keep, below
+            for name in steps:  # warm-up
+                step(name, inputs)
+            times = {name: [] for name in steps}
+            for _ in range(args.repeats):
+                for name in steps:
+                    times[name].append(step(name, inputs))
+            medians[case] = {name: statistics.median(values) for name, values in times.items()}
+            bert = medians[case]["bert-sdpa"]
+            print(f"\n| train {case} | median | / bert-sdpa |\n|---|---|---|")
+            for name, median in medians[case].items():
+                print(f"| {name} | {median * 1e3:.0f} ms | {median / bert:.2f} |")
+            print(f"\nBuffers ours-sdpa keeps between steps at {case}: {held_mib(ours):.0f} MiB")
+    finally:
+        functions["sdpa"] = backends.sdpa_disentangled
+    return medians
+
+
+def in_processes(args: argparse.Namespace, argv: list[str]) -> None:
+    """The timings in `args.processes` fresh processes; per case, the median over them of each model's ratio to
+    BERT-sdpa and to ours-sdpa (measured in the same process), with the range."""
+    child = [*argv, "--processes", "1", "--child-results"]
+    runs = in_fresh_processes("benchmarks.train_step", child, args.processes, lambda path: json.loads(path.read_text()))
+    print(f"\n{args.processes} processes: medians over the processes (lowest-highest) of each ratio")
+    for case in runs[0]:
+        print(f"\n| train {case} | / bert-sdpa | range | / ours-sdpa | range |\n|---|---|---|---|---|")
+        for name in runs[0][case]:
+            cells = []
+            for reference in ("bert-sdpa", "ours-sdpa"):
+                values = [run[case][name] / run[case][reference] for run in runs]
+                cells.append(f"{statistics.median(values):.2f} | {min(values):.2f}-{max(values):.2f}")
+            print(f"| {name} | {' | '.join(cells)} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=["2x512"], help="BATCHxLENGTH")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--no-eager", action="store_true", help="leave out our eager backend")
+    parser.add_argument("--baseline", metavar="REV", help="also time sdpa_disentangled as at this git revision")
+    parser.add_argument("--processes", type=int, default=1, help="run the timings in N fresh processes")
+    parser.add_argument("--child-results", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.processes < 1:
+        raise SystemExit(f"--processes {args.processes}: give 1 or more")
+    for case in args.cases:
+        if len(case.split("x")) != 2 or not all(part.isdigit() for part in case.split("x")):
+            raise SystemExit(f"--cases {case}: give BATCHxLENGTH, as 2x512")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.processes > 1:
+        in_processes(args, argv if argv is not None else sys.argv[1:])
+        return
+    print(f"{machine.describe()}; {args.layers} layers; median of {args.repeats} interleaved steps")
+    medians = timings(args)
+    if args.child_results:
+        args.child_results.write_text(json.dumps(medians))
 
 
 if __name__ == "__main__":

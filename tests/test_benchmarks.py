@@ -213,3 +213,49 @@ def test_cpu_inference_in_fresh_processes_prints_the_median_and_range_of_each_ra
     assert low == high == 1.0  # BERT against itself, in every process
     low, high = (float(value) for value in rows[0][4].rstrip(" |").split("-"))
     assert low == high == 1.0  # the model against itself
+
+
+def test_train_step_times_the_baseline_and_restores_the_sdpa_function(capsys):
+    """--baseline times the sdpa path of a git revision beside the model as it stands, after checking that their
+    gradients agree; the registered sdpa function is the current one afterwards."""
+    from benchmarks import train_step
+    from disentangled.modeling import disentangled_attention as backends
+
+    train_step.main(["--cases", "2x48", "--layers", "1", "--repeats", "1", "--no-eager", "--baseline", "HEAD"])
+    printed = capsys.readouterr().out
+    rows = [line.split(" | ")[0] for line in printed.splitlines() if line.startswith("| ") and " ms |" in line]
+    assert rows == ["| ours-sdpa", "| transformers-deberta", "| bert-sdpa", "| ours-sdpa at HEAD"]
+    assert re.search(r"Buffers ours-sdpa keeps between steps at 2x48: \d+ MiB", printed)
+    assert backends.DISENTANGLED_ATTENTION_FUNCTIONS["sdpa"] is backends.sdpa_disentangled
+
+
+def test_train_step_refuses_a_baseline_whose_gradients_differ(monkeypatch):
+    """A baseline that drops the p2c term is caught before anything is timed."""
+    import types
+
+    from benchmarks import train_step
+    from disentangled.modeling import disentangled_attention as backends
+
+    def without_p2c(module, query, key, value, attention_mask, scaling, dropout=0.0, position_scores=None, **kwargs):
+        position_scores = backends.PositionScores(
+            position_scores.query, position_scores.key, position_scores.pos_key, None, None, position_scores.positions
+        )
+        return backends.sdpa_disentangled(module, query, key, value, attention_mask, scaling, dropout, position_scores)
+
+    monkeypatch.setattr(
+        train_step, "baseline_backends", lambda *_: types.SimpleNamespace(sdpa_disentangled=without_p2c)
+    )
+    with pytest.raises(SystemExit, match="gradient of .* differs at 2x48"):
+        train_step.main(["--cases", "2x48", "--layers", "1", "--repeats", "1", "--no-eager", "--baseline", "HEAD"])
+    assert backends.DISENTANGLED_ATTENTION_FUNCTIONS["sdpa"] is backends.sdpa_disentangled
+
+
+def test_train_step_in_fresh_processes_prints_the_median_and_range_of_each_ratio(capsys):
+    from benchmarks import train_step
+
+    train_step.main(["--cases", "2x48", "--layers", "1", "--repeats", "1", "--no-eager", "--processes", "2"])
+    summary = capsys.readouterr().out.split("2 processes: medians over the processes")[1]
+    rows = [line.split(" | ") for line in summary.splitlines() if line.startswith("| ") and "2x48" not in line]
+    assert [row[0] for row in rows] == ["| ours-sdpa", "| transformers-deberta", "| bert-sdpa"]
+    low, high = (float(value) for value in rows[-1][2].split("-"))
+    assert low == high == 1.0  # BERT against itself, in every process
