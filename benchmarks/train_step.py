@@ -3,12 +3,16 @@
     python -m benchmarks.train_step                                   # 2x512, 2 layers: eager, sdpa, transformers
     python -m benchmarks.train_step --cases 4x128 2x512 --threads 2 --no-eager --baseline c965533
     python -m benchmarks.train_step --cases 2x512 --threads 2 --no-eager --baseline c965533 --processes 5
+    python -m benchmarks.train_step --cases 2x512 --threads 2 --no-eager --baseline c965533 --back-to-back
 
 The models, weights and inputs of `benchmarks.run` (v3-base shape, dropout as in training, the last row padded to
-3/4), run interleaved; prints median seconds per step and each one's ratio to BERT-sdpa. With `--baseline REV`, the
-same sdpa model also runs with `sdpa_disentangled` as it was at git revision REV (that commit's
-`modeling/disentangled_attention.py`, loaded beside this one), so that a change to the training path is timed
-against what it replaced in the same process; its gradients are checked against the model's to 1e-4 first.
+3/4), run interleaved (or, with `--back-to-back`, each model's steps one after another, as when one model trains
+alone in a process); prints median seconds per step, each one's ratio to BERT-sdpa, and the median minor page
+faults per step (first touches of freshly mapped memory, which glibc returns to the system and maps again between
+steps). With `--baseline REV`, the same sdpa model also runs with `sdpa_disentangled` as it was at git revision
+REV (that commit's `modeling/disentangled_attention.py`, loaded beside this one), so that a change to the training
+path is timed against what it replaced in the same process; its gradients are checked against the model's to 1e-4
+first.
 `--processes N` runs the comparison in N fresh processes and prints each ratio's median over them with its range.
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -47,9 +52,12 @@ def timings(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         steps[f"ours-sdpa at {args.baseline}"] = ours
     functions = backends.DISENTANGLED_ATTENTION_FUNCTIONS
 
-    def step(name: str, inputs) -> float:
+    def step(name: str, inputs) -> tuple[float, int]:
+        """Seconds of one step of `name`, and the minor page faults it took (first touches of fresh memory)."""
         functions["sdpa"] = baseline if name.startswith("ours-sdpa at") else backends.sdpa_disentangled
-        return time_once(steps[name], inputs, True)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        seconds = time_once(steps[name], inputs, True)
+        return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
     medians = {}
     try:
@@ -67,17 +75,23 @@ def timings(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                     if not torch.allclose(actual[name], grad, rtol=1e-4, atol=1e-4 * grad.abs().max().item()):
                         raise SystemExit(f"at {args.baseline}, the gradient of {name} differs at {case}")
             ours.release_workspace()  # what this case's steps keep, below
-            for name in steps:  # warm-up
-                step(name, inputs)
-            times = {name: [] for name in steps}
-            for _ in range(args.repeats):
+            runs = {name: [] for name in steps}  # (seconds, page faults) of each step
+            if args.back_to_back:  # each model's steps one after another, as when one model trains alone
                 for name in steps:
-                    times[name].append(step(name, inputs))
-            medians[case] = {name: statistics.median(values) for name, values in times.items()}
+                    step(name, inputs)  # warm-up
+                    runs[name] = [step(name, inputs) for _ in range(args.repeats)]
+            else:
+                for name in steps:  # warm-up
+                    step(name, inputs)
+                for _ in range(args.repeats):
+                    for name in steps:
+                        runs[name].append(step(name, inputs))
+            medians[case] = {name: statistics.median(seconds for seconds, _ in values) for name, values in runs.items()}
             bert = medians[case]["bert-sdpa"]
-            print(f"\n| train {case} | median | / bert-sdpa |\n|---|---|---|")
+            print(f"\n| train {case} | median | / bert-sdpa | page faults per step |\n|---|---|---|---|")
             for name, median in medians[case].items():
-                print(f"| {name} | {median * 1e3:.0f} ms | {median / bert:.2f} |")
+                faults = statistics.median(faults for _, faults in runs[name])
+                print(f"| {name} | {median * 1e3:.0f} ms | {median / bert:.2f} | {faults:.0f} |")
             print(f"\nBuffers ours-sdpa keeps between steps at {case}: {held_mib(ours):.0f} MiB")
     finally:
         functions["sdpa"] = backends.sdpa_disentangled
@@ -109,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-eager", action="store_true", help="leave out our eager backend")
     parser.add_argument("--baseline", metavar="REV", help="also time sdpa_disentangled as at this git revision")
     parser.add_argument("--processes", type=int, default=1, help="run the timings in N fresh processes")
+    parser.add_argument(
+        "--back-to-back", action="store_true", help="each model's steps one after another, not interleaved"
+    )
     parser.add_argument("--child-results", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.processes < 1:

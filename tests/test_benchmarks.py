@@ -226,6 +226,7 @@ def test_train_step_times_the_baseline_and_restores_the_sdpa_function(capsys):
     rows = [line.split(" | ")[0] for line in printed.splitlines() if line.startswith("| ") and " ms |" in line]
     assert rows == ["| ours-sdpa", "| transformers-deberta", "| bert-sdpa", "| ours-sdpa at HEAD"]
     assert re.search(r"Buffers ours-sdpa keeps between steps at 2x48: \d+ MiB", printed)
+    assert "| page faults per step |" in printed
     assert backends.DISENTANGLED_ATTENTION_FUNCTIONS["sdpa"] is backends.sdpa_disentangled
 
 
@@ -253,7 +254,8 @@ def test_train_step_refuses_a_baseline_whose_gradients_differ(monkeypatch):
 def test_train_step_in_fresh_processes_prints_the_median_and_range_of_each_ratio(capsys):
     from benchmarks import train_step
 
-    train_step.main(["--cases", "2x48", "--layers", "1", "--repeats", "1", "--no-eager", "--processes", "2"])
+    arguments = ["--cases", "2x48", "--layers", "1", "--repeats", "1", "--no-eager", "--back-to-back"]
+    train_step.main([*arguments, "--processes", "2"])
     summary = capsys.readouterr().out.split("2 processes: medians over the processes")[1]
     rows = [line.split(" | ") for line in summary.splitlines() if line.startswith("| ") and "2x48" not in line]
     assert [row[0] for row in rows] == ["| ours-sdpa", "| transformers-deberta", "| bert-sdpa"]
