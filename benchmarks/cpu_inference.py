@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import machine
-from benchmarks.run import V3_BASE, build_models, in_fresh_processes, inputs_for, time_once
+from benchmarks.run import V3_BASE, build_models, in_fresh_processes, inputs_for, print_ratio_medians, time_once
 from disentangled.modeling import disentangled_attention as backends
 
 VARIANTS = {
@@ -172,14 +172,7 @@ def in_processes(args: argparse.Namespace, argv: list[str]) -> None:
     )
     print(f"\n{args.processes} processes: medians over the processes (lowest-highest) of each ratio, to BERT-sdpa and")
     print("to the model as it stands (measured in the same process)")
-    for case in runs[0]:
-        print(f"\n| {case} | / bert-sdpa | range | / as-is | range |\n|---|---|---|---|---|")
-        for name in runs[0][case]:
-            cells = []
-            for reference in ("bert-sdpa", "as-is"):
-                values = [run[case][name] / run[case][reference] for run in runs]
-                cells.append(f"{statistics.median(values):.2f} | {min(values):.2f}-{max(values):.2f}")
-            print(f"| {name} | {' | '.join(cells)} |")
+    print_ratio_medians(runs, ("bert-sdpa", "as-is"))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -284,6 +284,20 @@ def in_fresh_processes(module: str, arguments: list[str], count: int, read) -> l
     return results
 
 
+def print_ratio_medians(runs: list[dict], references: tuple[str, str], case_label: str = "") -> None:
+    """Per case, a table of each name's ratio to each of `references` in `runs` ([{case: {name: value}}], one per
+    process, ratios taken within a process): the median over the processes and the range."""
+    for case in runs[0]:
+        heading = " | ".join(f"/ {reference} | range" for reference in references)
+        print(f"\n| {case_label}{case} | {heading} |\n|---|---|---|---|---|")
+        for name in runs[0][case]:
+            cells = []
+            for reference in references:
+                values = [run[case][name] / run[case][reference] for run in runs]
+                cells.append(f"{statistics.median(values):.2f} | {min(values):.2f}-{max(values):.2f}")
+            print(f"| {name} | {' | '.join(cells)} |")
+
+
 def _only_report(folder: Path) -> dict:
     (written,) = folder.glob("*.json")
     return json.loads(written.read_text())

@@ -30,7 +30,7 @@ import torch
 
 from benchmarks import machine
 from benchmarks.cpu_inference import baseline_backends, held_mib
-from benchmarks.run import build_models, in_fresh_processes, inputs_for, time_once
+from benchmarks.run import build_models, in_fresh_processes, inputs_for, print_ratio_medians, time_once
 from disentangled.modeling import disentangled_attention as backends
 
 
@@ -104,14 +104,7 @@ def in_processes(args: argparse.Namespace, argv: list[str]) -> None:
     child = [*argv, "--processes", "1", "--child-results"]
     runs = in_fresh_processes("benchmarks.train_step", child, args.processes, lambda path: json.loads(path.read_text()))
     print(f"\n{args.processes} processes: medians over the processes (lowest-highest) of each ratio")
-    for case in runs[0]:
-        print(f"\n| train {case} | / bert-sdpa | range | / ours-sdpa | range |\n|---|---|---|---|---|")
-        for name in runs[0][case]:
-            cells = []
-            for reference in ("bert-sdpa", "ours-sdpa"):
-                values = [run[case][name] / run[case][reference] for run in runs]
-                cells.append(f"{statistics.median(values):.2f} | {min(values):.2f}-{max(values):.2f}")
-            print(f"| {name} | {' | '.join(cells)} |")
+    print_ratio_medians(runs, ("bert-sdpa", "ours-sdpa"), case_label="train ")
 
 
 def main(argv: list[str] | None = None) -> None:
