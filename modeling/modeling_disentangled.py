@@ -77,7 +77,7 @@ class Dropout(nn.Dropout):
         if not self.training or self.inplace or not 0 < self.p < 1 or hidden.device.type != "cpu" or is_tracing():
             return super().forward(hidden)
         keep = dropout_keep_mask(hidden.shape, self.p, hidden.device)
-        return (hidden * keep).mul_(1 / (1 - self.p))  # a bool factor: one pass, half a `where`'s time
+        return (hidden * keep).mul_(1 / (1 - self.p))  # a bool factor: cheaper than a `where` on the CPU
 
 
 def weights_key(*tensors: Tensor | None) -> tuple | None:
