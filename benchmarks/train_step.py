@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.processes > 1:
         in_processes(args, argv if argv is not None else sys.argv[1:])
         return
-    print(f"{machine.describe()}; {args.layers} layers; median of {args.repeats} interleaved steps")
+    order = "back to back" if args.back_to_back else "interleaved"
+    print(f"{machine.describe()}; {args.layers} layers; median of {args.repeats} steps, {order}")
     medians = timings(args)
     if args.child_results:
         args.child_results.write_text(json.dumps(medians))

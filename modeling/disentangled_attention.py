@@ -35,7 +35,8 @@ the backend needs them. Then:
   by log-sum-exp. Elsewhere (training, accelerators, p2p) the keys go in reverse order (j' = L - 1 - j), so that
   i - j + L - 1 = i + j' and the index of a block is a stride-(1, 1) view of the [2L - 1] column vector (a Hankel
   matrix) that the gathers read in order. CPU training, where SDPA would run its math path with a bias gradient,
-  runs `BlockedAttention`: the same blocks, with a backward that scatters dS straight into the two tables;
+  runs `BlockedAttention`: the same blocks, each making its own c2p table (and each group of sequences its p2c
+  table), with a backward that scatters dS into those tables and from there into q, k, Kr and Qr;
 - flex_attention reads the tables inside a `score_mod`, so no [L, L] tensor exists at all.
 """
 
@@ -552,7 +553,7 @@ class BlockedAttention(torch.autograd.Function):
             grad_scores = grad_probs.sub_(delta[sequences, :, rows, None]).mul_(block_probs)  # dS, softmax's backward
             block_query = query[sequences, :, rows]
             grad_query[sequences, :, rows] = (grad_scores @ key[sequences]) * scaling
-            grad_key[sequences] += (grad_scores.mT @ block_query) * scaling
+            grad_key[sequences].add_(grad_scores.mT @ block_query, alpha=scaling)
             index = positions.hankel(first, last - first, positions.length).expand_as(grad_scores)
             if kr is not None:  # c2p[i, column[i + j']] received dS[i, j'], and passes it on to q_i and Kr
                 grad_c2p = _position_rows(positions, "c2p", block_query, kr, zeroed=True)

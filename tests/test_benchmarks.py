@@ -13,6 +13,22 @@ import pytest
 from benchmarks import machine, run
 
 
+def summary_rows(printed: str, processes: int, case: str) -> dict[str, tuple[tuple[float, float, float], ...]]:
+    """The per-process summary (`benchmarks.run.print_ratio_medians`) of one case: {name: ((median, lowest, highest)
+    of the ratio to each reference)}."""
+    summary = printed.split(f"{processes} processes: medians over the processes")[1]
+    rows = {}
+    for line in summary.splitlines():
+        if line.startswith("| ") and case not in line and not line.startswith("|---"):
+            name, *cells = (cell.strip() for cell in line.strip("| ").split(" | "))
+            ratios = []
+            for median, span in zip(cells[::2], cells[1::2]):
+                low, high = span.split("-")
+                ratios.append((float(median), float(low), float(high)))
+            rows[name] = tuple(ratios)
+    return rows
+
+
 def test_quick_benchmark_reports_every_case_and_model(tmp_path):
     run.main(["--quick", "--layers", "1", "--repeats", "1", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "benchmark-quick.json").read_text())
@@ -206,13 +222,10 @@ def test_cpu_inference_in_fresh_processes_prints_the_median_and_range_of_each_ra
 
     arguments = ["--cases", "2x96", "--layers", "1", "--repeats", "1", "--variants", "unpadded-products"]
     cpu_inference.main([*arguments, "--processes", "2"])
-    summary = capsys.readouterr().out.split("2 processes: medians over the processes")[1]
-    rows = [line.split(" | ") for line in summary.splitlines() if line.startswith("| ") and "x96" not in line]
-    assert [row[0] for row in rows] == ["| as-is", "| unpadded-products", "| bert-sdpa"]
-    low, high = (float(value) for value in rows[-1][2].split("-"))
-    assert low == high == 1.0  # BERT against itself, in every process
-    low, high = (float(value) for value in rows[0][4].rstrip(" |").split("-"))
-    assert low == high == 1.0  # the model against itself
+    rows = summary_rows(capsys.readouterr().out, 2, "2x96")
+    assert list(rows) == ["as-is", "unpadded-products", "bert-sdpa"]
+    assert rows["bert-sdpa"][0] == (1.0, 1.0, 1.0)  # BERT against itself, in every process
+    assert rows["as-is"][1] == (1.0, 1.0, 1.0)  # the model against itself
 
 
 def test_train_step_times_the_baseline_and_restores_the_sdpa_function(capsys):
@@ -256,8 +269,7 @@ def test_train_step_in_fresh_processes_prints_the_median_and_range_of_each_ratio
 
     arguments = ["--cases", "2x48", "--layers", "1", "--repeats", "1", "--no-eager", "--back-to-back"]
     train_step.main([*arguments, "--processes", "2"])
-    summary = capsys.readouterr().out.split("2 processes: medians over the processes")[1]
-    rows = [line.split(" | ") for line in summary.splitlines() if line.startswith("| ") and "2x48" not in line]
-    assert [row[0] for row in rows] == ["| ours-sdpa", "| transformers-deberta", "| bert-sdpa"]
-    low, high = (float(value) for value in rows[-1][2].split("-"))
-    assert low == high == 1.0  # BERT against itself, in every process
+    rows = summary_rows(capsys.readouterr().out, 2, "2x48")
+    assert list(rows) == ["ours-sdpa", "transformers-deberta", "bert-sdpa"]
+    assert rows["bert-sdpa"][0] == (1.0, 1.0, 1.0)  # BERT against itself, in every process
+    assert rows["ours-sdpa"][1] == (1.0, 1.0, 1.0)  # the model against itself
