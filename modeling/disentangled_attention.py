@@ -675,7 +675,9 @@ def _attend_by_distance(
     constant of the row and p2c a bias of the key: those keys run as two plain attentions over the whole input
     (keys j <= i - near[1] are a causal mask shifted by near[1]; keys j >= i - near[0] the same with rows and keys
     reversed), and only the band near[0] < d < near[1] gets a dense bias, -inf outside it (in U's columns, or T's).
-    The three parts are merged by log-sum-exp, which the CPU flash kernel returns. Returns [B, L, H, D].
+    The three parts are merged by log-sum-exp, which the CPU flash kernel returns. Keys that are padding in every
+    sequence of a group, before its first kept key or after its last (`_unpadded_span`), take part in no product and
+    no call. Returns [B, L, H, D].
     """
     batch, heads, length, dim = query.shape
     positions, pos_key, pos_query = position_scores.positions, position_scores.pos_key, position_scores.pos_query
@@ -712,10 +714,15 @@ def _attend_by_distance(
         group_mask = mask[sequences] if mask is not None and mask.shape[0] > 1 else mask
         group_query, group_key, group_value = query[sequences], key[sequences], value[sequences]
         padded_keys = _padded_keys(group_mask) if fill_keys else []  # U's rows of these keys are masked
+        span = _unpadded_span(group_mask, length) if key_mask else slice(0, length)
         far = []  # keys beyond the buckets' reach, each side one causal call over the whole sequence
         if split:
-            far = _far_parts((positions, pos_key, pos_query), group_query, group_key, group_value, group_mask, scaling)
-        for rows, keys in blocks:
+            far_terms = (positions, pos_key, pos_query)
+            far = _far_parts(far_terms, group_query, group_key, group_value, group_mask, scaling, span)
+        for rows, band_keys in blocks:
+            keys = slice(max(band_keys.start, span.start), min(band_keys.stop, span.stop))
+            if keys.start >= keys.stop:  # the band holds padding only: it keeps its keys, all masked
+                keys = band_keys
             shape = (rows.stop - rows.start, keys.stop - keys.start)
             bias = None
             if pos_key is not None:  # c2p = T[a, (last - 1 - k0) - d], d = first + a - k0 - b
@@ -758,9 +765,13 @@ def _attend_by_distance(
                 context[sequences, rows] = attended.transpose(1, 2)
             else:  # the band's part, merged with the far parts' over these rows
                 band, band_lse = cpu_flash_attention(block_query, block_key, block_value, attn_mask=bias, scale=scaling)
+                # Rows for which padding left the band no key (all the block's keys beyond their reach): the kernel
+                # gives them log-sum-exp 0, not -inf; they take only the far parts' keys.
+                band_lse[..., : max(0, keys.start + near_low + 1 - rows.start)] = float("-inf")
+                band_lse[..., max(0, keys.stop + near_high - 1 - rows.start) :] = float("-inf")
                 _merge_block(context[sequences, rows].transpose(1, 2), band, band_lse, rows, far)
-    if split and key_mask and not mask.all():  # a sequence of padding only: uniform attention, as in eager (the
-        # parts' log-sum-exps all round to the dtype's minimum, so merging them would not weigh them by their keys)
+    if key_mask and not mask.all():  # a sequence of padding only: uniform attention over every key, as in eager (its
+        # rows saw only the group's unpadded span, and the split parts' log-sum-exps all round to the dtype's minimum)
         for sequence in (~mask.flatten(1).any(-1)).nonzero().flatten().tolist():
             if mask.shape[0] > 1:
                 context[sequence] = value[sequence].mean(-2).unsqueeze(0)
@@ -865,6 +876,14 @@ def _band_table(
     return bands
 
 
+def _unpadded_span(mask: Tensor, length: int) -> slice:
+    """The keys from the first to the last that a [g | 1, 1, 1, L] mask keeps in any sequence (all of them if it keeps
+    none). Keys outside it are padding in every sequence of the group: their weight after the softmax is exactly 0 in
+    every row that keeps a key, so `_attend_by_distance` leaves them out of its products and calls."""
+    kept = mask[:, 0, 0].any(0).nonzero().flatten()
+    return slice(int(kept[0]), int(kept[-1]) + 1) if len(kept) else slice(0, length)
+
+
 def _padded_keys(mask: Tensor) -> list[tuple[int | None, list[int]]]:
     """(sequence, or None for every sequence, and the keys the [g | 1, 1, 1, L] mask leaves out, ascending) where
     there are any."""
@@ -915,18 +934,31 @@ def _far_parts(
     value: Tensor,
     mask: Tensor | None,
     scaling: float,
+    span: slice,
 ) -> list[tuple[Tensor, Tensor, slice]]:
     """The far keys' attention on both sides of the band: (context [g, H, n, D], log-sum-exp [g, H, n], rows).
 
     Far left (i - j >= near[1]) every key reads the highest column: c2p is the row constant q_i . Kr[column]
     and p2c the key bias k_j . Qr[column], so those keys are one SDPA call with that bias and a causal mask
     over rows [near[1], L) and keys [0, L - near[1]). Far right (i - j <= near[0]) is the same with rows and
-    keys reversed. `far` is (positions, Kr, Qr), the projected rows in the queries' dtype."""
+    keys reversed. `far` is (positions, Kr, Qr), the projected rows in the queries' dtype. Only the keys of
+    `span` (`_unpadded_span`) take part: a side leaves out the rows that see none of them, and a causal mask
+    aligned at the top left still holds (far left, row i sees keys [span.start, min(i - near[1] + 1, span.stop))).
+    """
     positions, pos_key, pos_query = far
     length = query.shape[-2]
     parts = []
     for side, shift in ((1, positions.near[1]), (0, -positions.near[0])):  # keys `shift` or more left / right
         if shift >= length:
+            continue
+        far_left = side == 1
+        if far_left:  # rows [shift + span.start, L) against keys [span.start, min(L - shift, span.stop))
+            rows = slice(shift + span.start, length)
+            kept = slice(span.start, min(length - shift, span.stop))
+        else:  # rows [0, span.stop - shift) against keys [max(shift, span.start), span.stop)
+            rows = slice(0, span.stop - shift)
+            kept = slice(max(shift, span.start), span.stop)
+        if rows.start >= rows.stop or kept.start >= kept.stop:
             continue
         column = positions.far_columns[side]
         key_bias = query.new_zeros(1, 1, length)
@@ -934,11 +966,8 @@ def _far_parts(
             key_bias = _dot_each(key, pos_query[:, column])  # [g, H, L]: k_j . Qr[column]
         if mask is not None:
             key_bias = key_bias.masked_fill(~mask[:, 0], torch.finfo(query.dtype).min)
-        far_left = side == 1  # rows [shift, L) against keys [0, L - shift): a causal mask
-        rows = slice(shift, length) if far_left else slice(0, length - shift)
-        kept = slice(0, length - shift) if far_left else slice(shift, length)
         q, k, v, bias = query[:, :, rows], key[:, :, kept], value[:, :, kept], key_bias[..., kept].unsqueeze(-2)
-        if not far_left:  # rows [0, L - shift) against keys [shift, L): causal once both are reversed
+        if not far_left:  # causal once both rows and keys are reversed
             q, k, v, bias = q.flip(-2), k.flip(-2), v.flip(-2), bias.flip(-1)
         part, lse = cpu_flash_attention(q, k, v, is_causal=True, attn_mask=bias, scale=scaling)
         if not far_left:

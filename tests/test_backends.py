@@ -277,6 +277,42 @@ def test_sdpa_inference_under_cpu_autocast_matches_eager(variant):
 
 
 @pytest.mark.skipif(not backends.CPU_FLASH_WITH_LSE, reason="the near/far split needs the CPU flash kernel's LSE")
+@pytest.mark.parametrize("variant", ["v3", "clipped-distances", "p2c-only"])
+@pytest.mark.parametrize("block_elements", [None, 1 << 20])  # a sequence per group, or all three in one
+def test_sdpa_inference_leaves_keys_of_padding_only_out(monkeypatch, variant, block_elements):
+    """Keys that are padding in every sequence of a group (`_unpadded_span`) take part in no product or call: the
+    calls cover fewer query-key pairs than with every key, and every position still matches eager. Every row ends
+    in 20 keys of padding; row 1 is also padded on the left beyond the far parts' shift (the far keys on the right
+    start inside the padding); some rows keep no key in their band and take only the far parts'."""
+    if block_elements:
+        monkeypatch.setattr(backends, "DISTANCE_BLOCK_ELEMENTS", block_elements)
+    flash, pairs = backends.cpu_flash_attention, []
+
+    def counting_flash(query, key, *args, **kwargs):
+        pairs.append(query.shape[-2] * key.shape[-2])
+        return flash(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(backends, "cpu_flash_attention", counting_flash)
+    reference = build("eager", **VARIANTS[variant])
+    sdpa = with_implementation(reference, "sdpa")
+    batch = padded_batch(100, [130, 20, 97])
+    for name in ("input_ids", "attention_mask"):  # 20 more keys of padding in every row
+        batch[name] = torch.cat([batch[name], batch[name].new_zeros(3, 20)], dim=1)
+        batch[name][1] = batch[name][1].roll(110)
+    assert sdpa.encoder.get_rel_index(130, "cpu").near[1] < 110
+    with torch.no_grad():
+        expected = reference(**batch).last_hidden_state
+        actual = sdpa(**batch).last_hidden_state
+        trimmed = sum(pairs)
+        monkeypatch.setattr(backends, "_unpadded_span", lambda mask, length: slice(0, length))
+        pairs.clear()
+        whole = sdpa(**batch).last_hidden_state
+    assert trimmed < sum(pairs)
+    for output in (actual, whole):
+        assert max_abs_diff(output, expected) <= 1e-5 * max(1.0, expected.abs().max().item())
+
+
+@pytest.mark.skipif(not backends.CPU_FLASH_WITH_LSE, reason="the near/far split needs the CPU flash kernel's LSE")
 @pytest.mark.parametrize("padded", [False, True])
 def test_far_parts_hand_the_flash_kernel_masks_it_reads_in_place(monkeypatch, padded):
     """The CPU flash kernel copies a mask whose keys are strided into a whole [B, H, rows, keys] tensor (it was a
