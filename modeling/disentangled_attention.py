@@ -715,7 +715,7 @@ def _attend_by_distance(
         group_query, group_key, group_value = query[sequences], key[sequences], value[sequences]
         padded_keys = _padded_keys(group_mask) if fill_keys else []  # U's rows of these keys are masked
         span = _unpadded_span(group_mask, length) if key_mask else slice(0, length)
-        far = []  # keys beyond the buckets' reach, each side one causal call over the whole sequence
+        far = []  # keys beyond the buckets' reach, each side one causal call over the span's keys
         if split:
             far_terms = (positions, pos_key, pos_query)
             far = _far_parts(far_terms, group_query, group_key, group_value, group_mask, scaling, span)
@@ -961,12 +961,13 @@ def _far_parts(
         if rows.start >= rows.stop or kept.start >= kept.stop:
             continue
         column = positions.far_columns[side]
-        key_bias = query.new_zeros(1, 1, length)
+        q, k, v = query[:, :, rows], key[:, :, kept], value[:, :, kept]
+        key_bias = query.new_zeros(1, 1, kept.stop - kept.start)
         if pos_query is not None:
-            key_bias = _dot_each(key, pos_query[:, column])  # [g, H, L]: k_j . Qr[column]
+            key_bias = _dot_each(k, pos_query[:, column])  # [g, H, keys]: k_j . Qr[column], the kept keys only
         if mask is not None:
-            key_bias = key_bias.masked_fill(~mask[:, 0], torch.finfo(query.dtype).min)
-        q, k, v, bias = query[:, :, rows], key[:, :, kept], value[:, :, kept], key_bias[..., kept].unsqueeze(-2)
+            key_bias = key_bias.masked_fill(~mask[:, 0, :, kept], torch.finfo(query.dtype).min)
+        bias = key_bias.unsqueeze(-2)
         if not far_left:  # causal once both rows and keys are reversed
             q, k, v, bias = q.flip(-2), k.flip(-2), v.flip(-2), bias.flip(-1)
         part, lse = cpu_flash_attention(q, k, v, is_causal=True, attn_mask=bias, scale=scaling)
