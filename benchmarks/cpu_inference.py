@@ -4,7 +4,7 @@
     python -m benchmarks.cpu_inference --cases 1x2048 --repeats 15
     python -m benchmarks.cpu_inference --baseline fcb26f5       # also the by-distance path of an earlier commit
     python -m benchmarks.cpu_inference --products               # only the T / U product shapes, alone
-    python -m benchmarks.cpu_inference --far-calls 2048 4096    # only the far keys' causal call, whole and split
+    python -m benchmarks.cpu_inference --far-calls 2048 4096    # only the far keys' calls: one causal, or by block
     python -m benchmarks.cpu_inference --variants as-is --baseline fcb26f5 --processes 5   # five fresh processes
 
 Times the model as it stands against variants that each undo one choice (module constants of
@@ -95,7 +95,7 @@ def product_timings(repeats: int) -> None:
         print(f"| {rows} x {columns} | {medians[0]:.2f} ms | {medians[1]:.2f} ms |")
 
 
-FAR_CHUNKS = (128, 256, 512)  # rows per chunk of a split far call
+FAR_BLOCK_ROWS = (192, 256, 384)  # rows per block of the far keys' calls (`_attend_by_distance` uses 192)
 
 
 def v3_positions(length: int) -> backends.RelativePositions:
@@ -105,54 +105,54 @@ def v3_positions(length: int) -> backends.RelativePositions:
     return backends.RelativePositions.build(length, buckets, buckets, reach, "cpu")
 
 
-def _far_call(query, key, value, bias, rows: int | None) -> None:
-    """The far keys' causal call, whole (`rows` None) or split into chunks of `rows` rows (see `far_call_timings`)."""
-    flash, count = backends.cpu_flash_attention, query.shape[-2]
+def _far_call(query, key, value, bias, shift: int, rows: int | None) -> None:
+    """The far-left keys (i - j >= shift): one causal call over rows [shift, L) and keys [0, L - shift) (`rows`
+    None), or for each block of `rows` query rows one call without a mask over the keys before its band."""
+    flash, length = backends.cpu_flash_attention, query.shape[-2]
     if rows is None:
-        flash(query, key, value, is_causal=True, attn_mask=bias, scale=0.125)
+        count = length - shift
+        flash(query[:, :, shift:], key[:, :, :count], value[:, :, :count], is_causal=True, attn_mask=bias[..., :count], scale=0.125)
         return
-    for first in range(0, count, rows):
-        chunk, before = slice(first, min(count, first + rows)), slice(0, first)
-        q, k, v = query[:, :, chunk], key[:, :, chunk], value[:, :, chunk]
-        flash(q, k, v, is_causal=True, attn_mask=bias[..., chunk], scale=0.125)  # its own square
-        if first:  # the keys before it: no mask
-            flash(q, key[:, :, before], value[:, :, before], attn_mask=bias[..., before], scale=0.125)
+    for first in range(0, length, rows):
+        keys = first - shift + 1  # keys [0, first - shift + 1) are beyond the reach of every row of the block
+        if keys > 0:
+            q = query[:, :, first : first + rows]
+            flash(q, key[:, :, :keys], value[:, :, :keys], attn_mask=bias[..., :keys], scale=0.125)
 
 
 def far_call_timings(lengths: list[int], repeats: int) -> None:
-    """The far-left keys of one layer alone, as `_far_parts` runs them (v3-base: 12 heads of 64; rows
-    [reach, L) against keys [0, L - reach), causal, with a key bias), whole and split along the diagonal: chunks of
-    rows, each one causal call over its own square and one call without a mask over the keys before it.
+    """The far-left keys of one layer alone (v3-base: 12 heads of 64, a key bias), as 8b013cf ran them, one causal
+    call over rows [reach, L) against keys [0, L - reach), and as `_attend_by_distance` runs them now: for each
+    block of rows, one call without a mask over the keys before its band (the band's call covers the rest of the
+    triangle, whose pairs it computed and masked before).
 
     PyTorch's CPU flash kernel computes the key block (512 keys) that holds a row block's causal edge in full and
-    masks it afterwards, so the whole call works on more pairs than the triangle holds; a split call computes
-    about the triangle's pairs (plus half of each square) in more, smaller calls. The split's parts are not merged
-    here: a merge by log-sum-exp would only add to its time. Median milliseconds."""
+    masks it afterwards, so the causal call works on more pairs than the triangle holds. The blocks' parts are not
+    merged here (the model merges them with the band's). Median milliseconds."""
     if not backends.CPU_FLASH_WITH_LSE:
         raise SystemExit("--far-calls needs PyTorch's CPU flash kernel (torch >= 2.3)")
     heads = V3_BASE["num_attention_heads"]
     dim = V3_BASE["hidden_size"] // heads
-    chunks = " | ".join(f"split in {rows}-row chunks" for rows in FAR_CHUNKS)
-    print(f"\n| length | causal rows | whole | {chunks} |\n|---|---|---|{'---|' * len(FAR_CHUNKS)}")
+    blocks = " | ".join(f"blocks of {rows} rows" for rows in FAR_BLOCK_ROWS)
+    print(f"\n| length | causal rows | one causal call | {blocks} |\n|---|---|---|{'---|' * len(FAR_BLOCK_ROWS)}")
     generator = torch.Generator().manual_seed(0)
     for length in lengths:
         near_low, near_high = v3_positions(length).near
-        count = length - near_high
         if near_high - near_low + 1 >= length:  # every distance in the band: `_attend_by_distance` does not split
-            print(f"| {length} | 0 | no far keys | {' | '.join('-' for _ in FAR_CHUNKS)} |")
+            print(f"| {length} | 0 | no far keys | {' | '.join('-' for _ in FAR_BLOCK_ROWS)} |")
             continue
-        query, key, value = (torch.randn(1, heads, count, dim, generator=generator) for _ in range(3))
-        bias = torch.randn(1, 1, 1, count, generator=generator)
-        times = [[] for _ in range(1 + len(FAR_CHUNKS))]
+        query, key, value = (torch.randn(1, heads, length, dim, generator=generator) for _ in range(3))
+        bias = torch.randn(1, 1, 1, length, generator=generator)
+        times = [[] for _ in range(1 + len(FAR_BLOCK_ROWS))]
         with torch.inference_mode():
             for round_ in range(repeats + 1):  # interleaved; the first round warms up
-                for rows, spent in zip((None, *FAR_CHUNKS), times):
+                for rows, spent in zip((None, *FAR_BLOCK_ROWS), times):
                     start = time.perf_counter()
-                    _far_call(query, key, value, bias, rows)
+                    _far_call(query, key, value, bias, near_high, rows)
                     if round_:
                         spent.append(time.perf_counter() - start)
         cells = " | ".join(f"{statistics.median(spent) * 1e3:.1f} ms" for spent in times)
-        print(f"| {length} | {count} | {cells} |")
+        print(f"| {length} | {length - near_high} | {cells} |")
 
 
 def held_mib(model) -> float:

@@ -31,8 +31,8 @@ the backend needs them. Then:
   U = k Qr[δ(d)]ᵀ per block and band of keys, so that a block's c2p and p2c are strided views of T and U (d = i - j
   moves by one along a row or a column): one add makes the bias, no index is read per element. Keys beyond the
   buckets' reach (where the column stops changing) need no dense bias at all: c2p is a constant of the row there
-  and p2c a bias of the key, so those keys run as two causal attentions shifted by the reach, merged with the band
-  by log-sum-exp. Elsewhere (training, accelerators, p2p) the keys go in reverse order (j' = L - 1 - j), so that
+  and p2c a bias of the key, so for each block the keys before and after its band run as two plain attentions
+  with a key bias, merged with the band's by log-sum-exp. Elsewhere (training, accelerators, p2p) the keys go in reverse order (j' = L - 1 - j), so that
   i - j + L - 1 = i + j' and the index of a block is a stride-(1, 1) view of the [2L - 1] column vector (a Hankel
   matrix) that the gathers read in order. CPU training, where SDPA would run its math path with a bias gradient,
   runs `BlockedAttention`: the same blocks, each making its own c2p table (and each group of sequences its p2c
@@ -672,12 +672,13 @@ def _attend_by_distance(
     key's row of U, filled with the dtype's minimum, masks it.
 
     Distances beyond the buckets' reach (d <= near[0] or d >= near[1]) all read one column, so there c2p is a
-    constant of the row and p2c a bias of the key: those keys run as two plain attentions over the whole input
-    (keys j <= i - near[1] are a causal mask shifted by near[1]; keys j >= i - near[0] the same with rows and keys
-    reversed), and only the band near[0] < d < near[1] gets a dense bias, -inf outside it (in U's columns, or T's).
-    The three parts are merged by log-sum-exp, which the CPU flash kernel returns. Keys that are padding in every
-    sequence of a group, before its first kept key or after its last (`_unpadded_span`), take part in no product and
-    no call. Returns [B, L, H, D].
+    constant of the row and p2c a bias of the key. A block's keys are those of its band (near[0] < i - j < near[1]
+    for some row i of the block), where T and U hold every distance, beyond the reach too; the keys before them
+    and after them are beyond the reach for every row of the block, and each side runs as one plain attention over
+    them with its key bias (no dense bias, no causal mask), its row constant added to its log-sum-exp. The three
+    parts are merged by log-sum-exp, which the CPU flash kernel returns, so that SDPA covers each query-key pair
+    once. Keys that are padding in every sequence of a group, before its first kept key or after its last
+    (`_unpadded_span`), take part in no product and no call. Returns [B, L, H, D].
     """
     batch, heads, length, dim = query.shape
     positions, pos_key, pos_query = position_scores.positions, position_scores.pos_key, position_scores.pos_query
@@ -707,7 +708,6 @@ def _attend_by_distance(
     # Kr by distance descending from `high`, Qr ascending from `low`: the distances T and U read
     kr_descending = _rows_by_distance(pos_key, positions, high, -1, high - low + 1) if pos_key is not None else None
     qr_ascending = _rows_by_distance(pos_query, positions, low, 1, high - low + 1) if pos_query is not None else None
-    near = positions.near if split else None  # U's columns of the far parts' distances are -inf
     context = query.new_empty(batch, length, heads, dim)
     for start in range(0, batch, group):
         sequences = slice(start, min(start + group, batch))
@@ -715,42 +715,27 @@ def _attend_by_distance(
         group_query, group_key, group_value = query[sequences], key[sequences], value[sequences]
         padded_keys = _padded_keys(group_mask) if fill_keys else []  # U's rows of these keys are masked
         span = _unpadded_span(group_mask, length) if key_mask else slice(0, length)
-        far = []  # keys beyond the buckets' reach, each side one causal call over the span's keys
+        far = []  # the keys beyond the reach of every row of a block: the far terms of each side (`_far_terms`)
         if split:
-            far_terms = (positions, pos_key, pos_query)
-            far = _far_parts(far_terms, group_query, group_key, group_value, group_mask, scaling, span)
+            far = _far_terms(positions, pos_key, pos_query, group_query, group_key, group_mask, span)
         for rows, band_keys in blocks:
             keys = slice(max(band_keys.start, span.start), min(band_keys.stop, span.stop))
             if keys.start >= keys.stop:  # the band holds padding only: it keeps its keys, all masked
                 keys = band_keys
             shape = (rows.stop - rows.start, keys.stop - keys.start)
             bias = None
-            if pos_key is not None:  # c2p = T[a, (last - 1 - k0) - d], d = first + a - k0 - b
+            if pos_key is not None:  # c2p = T[a, (rows - 1) - a + b]: T's columns descend from the block's highest d
                 block_high, block_low = rows.stop - 1 - keys.start, rows.start - keys.stop + 1
                 count, members = block_high - block_low + 1, sequences.stop - sequences.start
-                # Distances outside the band (T's first `above` and last `below` columns) are the far parts' keys:
-                # U's -inf masks them, so T holds only the band's columns and the view reads whatever lies
-                # before or after a row there: other rows' products, or past the last row, up to `below` zeroed
-                # elements (the first read, column rows - 1 - above of row 0, is never before the product: a
-                # block's keys start near_high - 1 before its rows, so above < rows). Without p2c, T holds every
-                # column and its out-of-band ones are -inf.
-                above, below = max(0, block_high - near_high + 1), max(0, near_low - block_low + 1)
-                skip_above, skip_below = (above, below) if pos_query is not None else (0, 0)
-                width = _round_up(count - skip_above - skip_below)
-                size = heads * members * shape[0] * width
-                buffer = _scratch(positions, "c2p", (size + skip_below,), query)
-                buffer[size:].zero_()
-                product = buffer[:size].view(heads, members * shape[0], width)
-                start = high - block_high + skip_above  # Kr's row of distance block_high - skip_above
-                _by_head(group_query[:, :, rows], kr_descending[:, start : start + width], out=product)
-                if pos_query is None:
-                    product[..., :above] = float("-inf")
-                    product[..., count - below : count] = float("-inf")
+                width = _round_up(count)
+                product = _scratch(positions, "c2p", (heads, members * shape[0], width), query)
+                offset = high - block_high  # Kr's row of distance block_high
+                _by_head(group_query[:, :, rows], kr_descending[:, offset : offset + width], out=product)
                 table_c2p = product.view(heads, members, shape[0], width).transpose(0, 1)
                 row, column = table_c2p.stride(2), table_c2p.stride(3)
-                bias = _skewed(table_c2p, (shape[0] - 1 - skip_above) * column, row - column, column, shape)
+                bias = _skewed(table_c2p, (shape[0] - 1) * column, row - column, column, shape)
             if pos_query is not None:  # p2c from U by band of keys, for these rows (`_band_table`)
-                table = _band_table(positions, group_key, qr_ascending, low, (rows, keys), padded_keys, near)
+                table = _band_table(positions, group_key, qr_ascending, low, (rows, keys), padded_keys)
                 parts = _band_views(table, shape[0])
                 bias_shape = (sequences.stop - sequences.start, heads, *shape)
                 bias = _add_by_key_chunks(bias, parts, _scratch(positions, "bias", bias_shape, query))
@@ -758,18 +743,28 @@ def _attend_by_distance(
                 bias = bias.masked_fill(~_block_mask(group_mask, slice(None), rows.start, rows.stop)[..., keys], lowest)
             block_query = group_query[:, :, rows]
             block_key, block_value = group_key[:, :, keys], group_value[:, :, keys]
-            if not split:
+            sides = [  # the span's keys before and after the band: beyond the reach of every row of the block
+                slice(span.start, min(span.stop, band_keys.start)),
+                slice(max(span.start, band_keys.stop), span.stop),
+            ]
+            if not any(side.start < side.stop for side in sides[: len(far)]):  # the band alone: no merge
                 attended = F.scaled_dot_product_attention(
                     block_query, block_key, block_value, attn_mask=bias, scale=scaling
                 )
                 context[sequences, rows] = attended.transpose(1, 2)
-            else:  # the band's part, merged with the far parts' over these rows
-                band, band_lse = cpu_flash_attention(block_query, block_key, block_value, attn_mask=bias, scale=scaling)
-                # Rows for which padding left the band no key (all the block's keys beyond their reach): the kernel
-                # gives them log-sum-exp 0, not -inf; they take only the far parts' keys.
-                band_lse[..., : max(0, keys.start + near_low + 1 - rows.start)] = float("-inf")
-                band_lse[..., max(0, keys.stop + near_high - 1 - rows.start) :] = float("-inf")
-                _merge_block(context[sequences, rows].transpose(1, 2), band, band_lse, rows, far)
+                continue
+            parts = [cpu_flash_attention(block_query, block_key, block_value, attn_mask=bias, scale=scaling)]
+            for side, (key_bias, row_constant) in zip(sides, far):
+                if side.start < side.stop:  # one call with the side's key bias, no mask of rows
+                    part, lse = cpu_flash_attention(
+                        block_query,
+                        group_key[:, :, side],
+                        group_value[:, :, side],
+                        attn_mask=key_bias[..., side.start - span.start : side.stop - span.start],
+                        scale=scaling,
+                    )
+                    parts.append((part, lse + row_constant[..., rows] if row_constant is not None else lse))
+            _merge_parts(context[sequences, rows].transpose(1, 2), parts)
     if key_mask and not mask.all():  # a sequence of padding only: uniform attention over every key, as in eager (its
         # rows saw only the group's unpadded span, and the split parts' log-sum-exps all round to the dtype's minimum)
         for sequence in (~mask.flatten(1).any(-1)).nonzero().flatten().tolist():
@@ -836,7 +831,6 @@ def _band_table(
     low: int,
     block: tuple[slice, slice],
     padded: list[tuple[int | None, list[int]]],
-    near: tuple[int, int] | None,
 ) -> list[Tensor]:
     """U of a block's keys for its query rows only, `block` = (rows, keys), by band of `BAND_TABLE_KEYS` keys, over a
     group of sequences ([g, H, L, D] `key`): built for each block, just before its add reads it.
@@ -849,8 +843,7 @@ def _band_table(
     cache when the blocks read it, and the add, which reads one cache line per key, waited on memory
     (`python -m benchmarks.cpu_inference --baseline 713ad96` times the two). Bands lie one after another, so that
     `_band_view` reads several whole bands in one view. `qr_ascending` is Qr by distance from `low`. The rows of
-    the `padded` keys (`_padded_keys`) hold the dtype's minimum; with `near`, the columns of the distances
-    d <= near[0] and d >= near[1] (the far parts' keys) hold -inf.
+    the `padded` keys (`_padded_keys`) hold the dtype's minimum.
     """
     (rows, keys), (groups, heads, _, _) = block, key.shape
     sizes = [min(BAND_TABLE_KEYS, keys.stop - first) for first in range(keys.start, keys.stop, BAND_TABLE_KEYS)]
@@ -868,9 +861,6 @@ def _band_table(
                 inside = [index - start for index in inside]
                 target = table[:, sequence] if sequence is not None else table
                 target.index_fill_(-2, torch.tensor(inside, device=table.device), torch.finfo(key.dtype).min)
-        if near is not None:  # after the padded keys' rows, so that these columns stay -inf
-            table[..., : max(0, min(width, near[0] + 1 - nearest))] = float("-inf")
-            table[..., max(0, near[1] - nearest) :] = float("-inf")
         bands.append(table)
         offset, start = offset + table.numel(), start + size
     return bands
@@ -927,77 +917,45 @@ def _dot_each(rows: Tensor, vector: Tensor) -> Tensor:
     return torch.einsum("ghnd,hd->ghn", rows, vector)
 
 
-def _far_parts(
-    far: tuple[RelativePositions, Tensor | None, Tensor | None],
+def _far_terms(
+    positions: RelativePositions,
+    pos_key: Tensor | None,
+    pos_query: Tensor | None,
     query: Tensor,
     key: Tensor,
-    value: Tensor,
     mask: Tensor | None,
-    scaling: float,
     span: slice,
-) -> list[tuple[Tensor, Tensor, slice]]:
-    """The far keys' attention on both sides of the band: (context [g, H, n, D], log-sum-exp [g, H, n], rows).
-
-    Far left (i - j >= near[1]) every key reads the highest column: c2p is the row constant q_i . Kr[column]
-    and p2c the key bias k_j . Qr[column], so those keys are one SDPA call with that bias and a causal mask
-    over rows [near[1], L) and keys [0, L - near[1]). Far right (i - j <= near[0]) is the same with rows and
-    keys reversed. `far` is (positions, Kr, Qr), the projected rows in the queries' dtype. Only the keys of
-    `span` (`_unpadded_span`) take part: a side leaves out the rows that see none of them, and a causal mask
-    aligned at the top left still holds (far left, row i sees keys [span.start, min(i - near[1] + 1, span.stop))).
-    """
-    positions, pos_key, pos_query = far
-    length = query.shape[-2]
-    parts = []
-    for side, shift in ((1, positions.near[1]), (0, -positions.near[0])):  # keys `shift` or more left / right
-        if shift >= length:
-            continue
-        far_left = side == 1
-        if far_left:  # rows [shift + span.start, L) against keys [span.start, min(L - shift, span.stop))
-            rows = slice(shift + span.start, length)
-            kept = slice(span.start, min(length - shift, span.stop))
-        else:  # rows [0, span.stop - shift) against keys [max(shift, span.start), span.stop)
-            rows = slice(0, span.stop - shift)
-            kept = slice(max(shift, span.start), span.stop)
-        if rows.start >= rows.stop or kept.start >= kept.stop:
-            continue
-        column = positions.far_columns[side]
-        q, k, v = query[:, :, rows], key[:, :, kept], value[:, :, kept]
-        key_bias = query.new_zeros(1, 1, kept.stop - kept.start)
+) -> list[tuple[Tensor, Tensor | None]]:
+    """Beyond the buckets' reach, on each side (keys far left, d >= near[1], then far right, d <= near[0]), every
+    pair reads one column: p2c is the key bias k_j . Qr[column] and c2p the row constant q_i . Kr[column]. For a
+    group ([g, H, L, D] `query` and `key`, projected rows in the queries' dtype): (key bias [g, H | 1, 1, keys] over
+    the keys of `span`, the padded ones at the dtype's minimum; row constant [g, H, L], None without c2p) per side."""
+    terms = []
+    for column in (positions.far_columns[1], positions.far_columns[0]):
+        kept = key[:, :, span]
+        key_bias = query.new_zeros(1, 1, span.stop - span.start)
         if pos_query is not None:
-            key_bias = _dot_each(k, pos_query[:, column])  # [g, H, keys]: k_j . Qr[column], the kept keys only
+            key_bias = _dot_each(kept, pos_query[:, column])  # [g, H, keys]
         if mask is not None:
-            key_bias = key_bias.masked_fill(~mask[:, 0, :, kept], torch.finfo(query.dtype).min)
-        bias = key_bias.unsqueeze(-2)
-        if not far_left:  # causal once both rows and keys are reversed
-            q, k, v, bias = q.flip(-2), k.flip(-2), v.flip(-2), bias.flip(-1)
-        part, lse = cpu_flash_attention(q, k, v, is_causal=True, attn_mask=bias, scale=scaling)
-        if not far_left:
-            part, lse = part.flip(-2), lse.flip(-1)
-        if pos_key is not None:  # the row constant q_i . Kr[column]
-            lse = lse + _dot_each(query[:, :, rows], pos_key[:, column]).float()
-        parts.append((part, lse, rows))
-    return parts
+            key_bias = key_bias.masked_fill(~mask[:, 0, :, span], torch.finfo(query.dtype).min)
+        row_constant = _dot_each(query, pos_key[:, column]).float() if pos_key is not None else None
+        terms.append((key_bias.unsqueeze(-2), row_constant))
+    return terms
 
 
-def _merge_block(
-    out: Tensor, band: Tensor, band_lse: Tensor, rows: slice, far: list[tuple[Tensor, Tensor, slice]]
-) -> None:
-    """out = the band's attention of query rows `rows` ([g, H, n, D], with its log-sum-exp) merged with the far
-    parts' (`_far_parts`) over the same rows, by log-sum-exp. `out` is a [g, H, n, D] view of the context."""
-    overlaps = []  # (the far part's context and log-sum-exp over the rows it shares with the block, those rows)
-    total = band_lse.clone()
-    for part, lse, part_rows in far:
-        first, last = max(rows.start, part_rows.start), min(rows.stop, part_rows.stop)
-        if first < last:
-            mine, theirs = (
-                slice(first - rows.start, last - rows.start),
-                slice(first - part_rows.start, last - part_rows.start),
-            )
-            overlaps.append((part[..., theirs, :], lse[..., theirs], mine))
-            total[..., mine] = torch.logaddexp(total[..., mine], lse[..., theirs])
-    torch.mul(band, (band_lse - total).exp().unsqueeze(-1).to(band.dtype), out=out)
-    for part, lse, mine in overlaps:
-        out[..., mine, :].addcmul_(part, (lse - total[..., mine]).exp().unsqueeze(-1).to(part.dtype))
+def _merge_parts(out: Tensor, parts: list[tuple[Tensor, Tensor]]) -> None:
+    """out = the attention of one block's query rows over the keys of all `parts`, from each part's attention
+    ([g, H, n, D]) and log-sum-exp ([g, H, n]) over its own keys: each part weighted by exp(lse - total).
+    `out` is a [g, H, n, D] view of the context."""
+    total = parts[0][1]
+    for _, lse in parts[1:]:
+        total = torch.logaddexp(total, lse)
+    for index, (part, lse) in enumerate(parts):
+        weight = (lse - total).exp().unsqueeze(-1).to(part.dtype)
+        if index == 0:
+            torch.mul(part, weight, out=out)
+        else:
+            out.addcmul_(part, weight)
 
 
 _compiled_flex = None

@@ -16,6 +16,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from parity import check_parity, inflate_weights, max_abs_diff, padded_batch
 
 import disentangled
@@ -237,10 +238,10 @@ def test_sdpa_inference_beyond_the_buckets_reach_matches_eager(variant):
 @pytest.mark.parametrize("band_keys", [None, 7])  # U in bands of 64 keys (up to three here), or of 7
 def test_sdpa_inference_by_distance_matches_eager_at_every_position(monkeypatch, variant, block_elements, band_keys):
     """CPU inference reads the position terms as strided views of tables by distance: padded keys are masked
-    through rows of U's bands (the dtype's minimum), keys outside the band through -inf columns, and the far
-    keys run as shifted causal attention. Every position matches eager, padding included: right- and left-padded
-    rows, a row of padding only (uniform attention, as in eager), several sequences per block, lengths within and
-    beyond the buckets' reach. With bands of 7 keys, a block reads several whole bands per view (two per add of
+    through rows of U's bands (the dtype's minimum), and the keys beyond the reach of a whole block run as plain
+    attention with a key bias on each side of its band. Every position matches eager, padding included: right-
+    and left-padded rows, a row of padding only (uniform attention, as in eager), several sequences per block,
+    lengths within and beyond the buckets' reach. With bands of 7 keys, a block reads several whole bands per view (two per add of
     16 keys) and a partial last one."""
     if block_elements:
         monkeypatch.setattr(backends, "DISTANCE_BLOCK_ELEMENTS", block_elements)
@@ -282,17 +283,22 @@ def test_sdpa_inference_under_cpu_autocast_matches_eager(variant):
 def test_sdpa_inference_leaves_keys_of_padding_only_out(monkeypatch, variant, block_elements):
     """Keys that are padding in every sequence of a group (`_unpadded_span`) take part in no product or call: the
     calls cover fewer query-key pairs than with every key, and every position still matches eager. Every row ends
-    in 20 keys of padding; row 1 is also padded on the left beyond the far parts' shift (the far keys on the right
-    start inside the padding); some rows keep no key in their band and take only the far parts'."""
+    in 20 keys of padding; row 1 is also padded on the left beyond the reach (the far keys on the right start inside
+    the padding); some blocks keep no key in their band and take only the far parts'."""
     if block_elements:
         monkeypatch.setattr(backends, "DISTANCE_BLOCK_ELEMENTS", block_elements)
-    flash, pairs = backends.cpu_flash_attention, []
+    pairs = []
 
-    def counting_flash(query, key, *args, **kwargs):
-        pairs.append(query.shape[-2] * key.shape[-2])
-        return flash(query, key, *args, **kwargs)
+    def counting(function):
+        def call(query, key, *args, **kwargs):
+            pairs.append(query.shape[-2] * key.shape[-2])
+            return function(query, key, *args, **kwargs)
 
-    monkeypatch.setattr(backends, "cpu_flash_attention", counting_flash)
+        return call
+
+    # a block with keys beyond the reach on either side runs the flash kernel itself (it needs the log-sum-exp)
+    monkeypatch.setattr(backends, "cpu_flash_attention", counting(backends.cpu_flash_attention))
+    monkeypatch.setattr(backends.F, "scaled_dot_product_attention", counting(F.scaled_dot_product_attention))
     reference = build("eager", **VARIANTS[variant])
     sdpa = with_implementation(reference, "sdpa")
     batch = padded_batch(100, [130, 20, 97])
@@ -336,7 +342,7 @@ def test_far_parts_hand_the_flash_kernel_masks_it_reads_in_place(monkeypatch, pa
 
 
 def test_kept_workspace_is_kept_between_calls_and_stays_exact(monkeypatch):
-    """CPU inference keeps its buffers (the p2c table with its -inf columns, the block buffers) between calls, per
+    """CPU inference keeps its buffers (U's bands, T, the block's bias) between calls, per
     model and thread. Inputs of other lengths and paddings in any order, in and out of inference mode, give exactly
     what a call with fresh buffers gives, and `release_workspace` frees them."""
     reference = build("eager")

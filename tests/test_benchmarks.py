@@ -203,8 +203,8 @@ def test_cpu_inference_products_print_both_layouts_for_each_shape(capsys):
     assert all(row.count(" ms |") == 2 for row in rows)
 
 
-def test_cpu_inference_far_calls_print_the_whole_call_and_each_split(capsys):
-    """--far-calls times the far keys' causal call whole and split; a length within the band has none."""
+def test_cpu_inference_far_calls_print_the_causal_call_and_the_calls_by_block(capsys):
+    """--far-calls times the far keys as one causal call and as calls by block; a length within the band has none."""
     from benchmarks import cpu_inference
 
     cpu_inference.main(["--far-calls", "1100", "640", "--repeats", "1"])
@@ -212,7 +212,7 @@ def test_cpu_inference_far_calls_print_the_whole_call_and_each_split(capsys):
     rows = {line.split(" |")[0]: line for line in printed.splitlines() if line.startswith("| ") and line[2].isdigit()}
     reach = cpu_inference.v3_positions(1100).near[1]
     assert rows["| 1100"].startswith(f"| 1100 | {1100 - reach} |")
-    assert rows["| 1100"].count(" ms |") == 1 + len(cpu_inference.FAR_CHUNKS)
+    assert rows["| 1100"].count(" ms |") == 1 + len(cpu_inference.FAR_BLOCK_ROWS)
     assert "no far keys" in rows["| 640"]
 
 
