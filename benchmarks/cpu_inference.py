@@ -111,7 +111,8 @@ def _far_call(query, key, value, bias, shift: int, rows: int | None) -> None:
     flash, length = backends.cpu_flash_attention, query.shape[-2]
     if rows is None:
         count = length - shift
-        flash(query[:, :, shift:], key[:, :, :count], value[:, :, :count], is_causal=True, attn_mask=bias[..., :count], scale=0.125)
+        q, k, v = query[:, :, shift:], key[:, :, :count], value[:, :, :count]
+        flash(q, k, v, is_causal=True, attn_mask=bias[..., :count], scale=0.125)
         return
     for first in range(0, length, rows):
         keys = first - shift + 1  # keys [0, first - shift + 1) are beyond the reach of every row of the block

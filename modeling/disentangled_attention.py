@@ -727,11 +727,21 @@ def _attend_by_distance(
             if pos_key is not None:  # c2p = T[a, (rows - 1) - a + b]: T's columns descend from the block's highest d
                 block_high, block_low = rows.stop - 1 - keys.start, rows.start - keys.stop + 1
                 count, members = block_high - block_low + 1, sequences.stop - sequences.start
-                width = _round_up(count)
+                # T's first `above` and last `below` columns are distances beyond the reach, where c2p is the row
+                # constant of that side: they are filled with it; only the columns within the reach are a product
+                # (into a column slice of T, which costs about what a contiguous out= does at these shapes).
+                above, below = max(0, block_high - near_high + 1), max(0, near_low - block_low + 1)
+                columns = _round_up(count - above - below)
+                width = _round_up(max(count, above + columns))
                 product = _scratch(positions, "c2p", (heads, members * shape[0], width), query)
-                offset = high - block_high  # Kr's row of distance block_high
-                _by_head(group_query[:, :, rows], kr_descending[:, offset : offset + width], out=product)
+                offset = high - block_high + above  # Kr's row of distance block_high - above
+                within = kr_descending[:, offset : offset + columns]
+                _by_head(group_query[:, :, rows], within, out=product[..., above : above + columns])
                 table_c2p = product.view(heads, members, shape[0], width).transpose(0, 1)
+                if above:  # far left: q_i . Kr[column] (`_far_terms`)
+                    table_c2p[..., :above] = far[0][1][:, :, rows, None]
+                if below:  # far right, after the product, whose spare columns may reach into these
+                    table_c2p[..., count - below : count] = far[1][1][:, :, rows, None]
                 row, column = table_c2p.stride(2), table_c2p.stride(3)
                 bias = _skewed(table_c2p, (shape[0] - 1) * column, row - column, column, shape)
             if pos_query is not None:  # p2c from U by band of keys, for these rows (`_band_table`)
@@ -929,7 +939,8 @@ def _far_terms(
     """Beyond the buckets' reach, on each side (keys far left, d >= near[1], then far right, d <= near[0]), every
     pair reads one column: p2c is the key bias k_j . Qr[column] and c2p the row constant q_i . Kr[column]. For a
     group ([g, H, L, D] `query` and `key`, projected rows in the queries' dtype): (key bias [g, H | 1, 1, keys] over
-    the keys of `span`, the padded ones at the dtype's minimum; row constant [g, H, L], None without c2p) per side."""
+    the keys of `span`, the padded ones at the dtype's minimum; row constant [g, H, L] in the queries' dtype, None
+    without c2p) per side."""
     terms = []
     for column in (positions.far_columns[1], positions.far_columns[0]):
         kept = key[:, :, span]
@@ -938,7 +949,7 @@ def _far_terms(
             key_bias = _dot_each(kept, pos_query[:, column])  # [g, H, keys]
         if mask is not None:
             key_bias = key_bias.masked_fill(~mask[:, 0, :, span], torch.finfo(query.dtype).min)
-        row_constant = _dot_each(query, pos_key[:, column]).float() if pos_key is not None else None
+        row_constant = _dot_each(query, pos_key[:, column]) if pos_key is not None else None
         terms.append((key_bias.unsqueeze(-2), row_constant))
     return terms
 
