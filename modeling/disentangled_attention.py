@@ -32,11 +32,12 @@ the backend needs them. Then:
   moves by one along a row or a column): one add makes the bias, no index is read per element. Keys beyond the
   buckets' reach (where the column stops changing) need no dense bias at all: c2p is a constant of the row there
   and p2c a bias of the key, so for each block the keys before and after its band run as two plain attentions
-  with a key bias, merged with the band's by log-sum-exp. Elsewhere (training, accelerators, p2p) the keys go in reverse order (j' = L - 1 - j), so that
-  i - j + L - 1 = i + j' and the index of a block is a stride-(1, 1) view of the [2L - 1] column vector (a Hankel
-  matrix) that the gathers read in order. CPU training, where SDPA would run its math path with a bias gradient,
-  runs `BlockedAttention`: the same blocks, each making its own c2p table (and each group of sequences its p2c
-  table), with a backward that scatters dS into those tables and from there into q, k, Kr and Qr;
+  with a key bias, merged with the band's by log-sum-exp. Elsewhere (training, accelerators, p2p) the keys go
+  in reverse order (j' = L - 1 - j), so that i - j + L - 1 = i + j' and the index of a block is a stride-(1, 1)
+  view of the [2L - 1] column vector (a Hankel matrix) that the gathers read in order. CPU training, where SDPA
+  would run its math path with a bias gradient, runs `BlockedAttention`: the same blocks, each making its own
+  c2p table (and each group of sequences its p2c table), with a backward that scatters dS into those tables and
+  from there into q, k, Kr and Qr;
 - flex_attention reads the tables inside a `score_mod`, so no [L, L] tensor exists at all.
 """
 

@@ -241,8 +241,8 @@ def test_sdpa_inference_by_distance_matches_eager_at_every_position(monkeypatch,
     through rows of U's bands (the dtype's minimum), and the keys beyond the reach of a whole block run as plain
     attention with a key bias on each side of its band. Every position matches eager, padding included: right-
     and left-padded rows, a row of padding only (uniform attention, as in eager), several sequences per block,
-    lengths within and beyond the buckets' reach. With bands of 7 keys, a block reads several whole bands per view (two per add of
-    16 keys) and a partial last one."""
+    lengths within and beyond the buckets' reach. With bands of 7 keys, a block reads several whole bands per
+    view (two per add of 16 keys) and a partial last one."""
     if block_elements:
         monkeypatch.setattr(backends, "DISTANCE_BLOCK_ELEMENTS", block_elements)
     if band_keys:
