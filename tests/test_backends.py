@@ -262,6 +262,25 @@ def test_sdpa_inference_by_distance_matches_eager_at_every_position(monkeypatch,
         assert max_abs_diff(actual, expected) <= 1e-5 * max(1.0, expected.abs().max().item()), lengths
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("variant", ["v3", "clipped-distances", "c2p-only", "p2c-only"])
+def test_sdpa_inference_beyond_the_reach_in_low_precision(variant, dtype):
+    """A model cast to float16 or bfloat16, long enough that blocks have keys beyond the reach on both sides (their
+    key bias, row constant and log-sum-exp merge in low precision), padded rows and a row of padding only: at every
+    position within twice the error of eager in the same dtype, both against eager in float32."""
+    reference = build("eager", **VARIANTS[variant])
+    low_sdpa = with_implementation(reference, "sdpa").to(dtype)
+    low_eager = copy.deepcopy(reference).to(dtype)
+    batch = padded_batch(100, [150, 97, 0])
+    assert reference.encoder.get_rel_index(150, "cpu").near[1] < 100
+    with torch.no_grad():
+        expected = reference(**batch).last_hidden_state
+        actual = low_sdpa(**batch).last_hidden_state.float()
+        own = low_eager(**batch).last_hidden_state.float()
+    assert torch.isfinite(actual).all()
+    assert max_abs_diff(actual, expected) <= 2 * max_abs_diff(own, expected) + 1e-3
+
+
 @pytest.mark.parametrize("variant", ["v3", "c2p-only"])
 def test_sdpa_inference_under_cpu_autocast_matches_eager(variant):
     """Under bfloat16 autocast, queries and keys come out of the linear layers in bfloat16 while the cached relative
