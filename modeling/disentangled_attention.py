@@ -754,11 +754,13 @@ def _attend_by_distance(
                 bias = bias.masked_fill(~_block_mask(group_mask, slice(None), rows.start, rows.stop)[..., keys], lowest)
             block_query = group_query[:, :, rows]
             block_key, block_value = group_key[:, :, keys], group_value[:, :, keys]
-            sides = [  # the span's keys before and after the band: beyond the reach of every row of the block
-                slice(span.start, min(span.stop, band_keys.start)),
-                slice(max(span.start, band_keys.stop), span.stop),
-            ]
-            if not any(side.start < side.stop for side in sides[: len(far)]):  # the band alone: no merge
+            sides = []  # the span's keys before and after the band: beyond the reach of every row of the block
+            if far:
+                sides = [
+                    slice(span.start, min(span.stop, band_keys.start)),
+                    slice(max(span.start, band_keys.stop), span.stop),
+                ]
+            if not any(side.start < side.stop for side in sides):  # the band alone: no merge
                 attended = F.scaled_dot_product_attention(
                     block_query, block_key, block_value, attn_mask=bias, scale=scaling
                 )
@@ -942,9 +944,8 @@ def _far_terms(
     group ([g, H, L, D] `query` and `key`, projected rows in the queries' dtype): (key bias [g, H | 1, 1, keys] over
     the keys of `span`, the padded ones at the dtype's minimum; row constant [g, H, L] in the queries' dtype, None
     without c2p) per side."""
-    terms = []
+    terms, kept = [], key[:, :, span]
     for column in (positions.far_columns[1], positions.far_columns[0]):
-        kept = key[:, :, span]
         key_bias = query.new_zeros(1, 1, span.stop - span.start)
         if pos_query is not None:
             key_bias = _dot_each(kept, pos_query[:, column])  # [g, H, keys]

@@ -306,7 +306,16 @@ def test_sdpa_inference_leaves_keys_of_padding_only_out(monkeypatch, variant, bl
     the padding); some blocks keep no key in their band and take only the far parts'."""
     if block_elements:
         monkeypatch.setattr(backends, "DISTANCE_BLOCK_ELEMENTS", block_elements)
-    pairs = []
+    reference = build("eager", **VARIANTS[variant])
+    sdpa = with_implementation(reference, "sdpa")
+    batch = padded_batch(100, [130, 20, 97])
+    for name in ("input_ids", "attention_mask"):  # 20 more keys of padding in every row
+        batch[name] = torch.cat([batch[name], batch[name].new_zeros(3, 20)], dim=1)
+        batch[name][1] = batch[name][1].roll(110)
+    assert sdpa.encoder.get_rel_index(130, "cpu").near[1] < 110
+    with torch.no_grad():
+        expected = reference(**batch).last_hidden_state
+    pairs = []  # query-key pairs of the sdpa model's calls only
 
     def counting(function):
         def call(query, key, *args, **kwargs):
@@ -318,15 +327,7 @@ def test_sdpa_inference_leaves_keys_of_padding_only_out(monkeypatch, variant, bl
     # a block with keys beyond the reach on either side runs the flash kernel itself (it needs the log-sum-exp)
     monkeypatch.setattr(backends, "cpu_flash_attention", counting(backends.cpu_flash_attention))
     monkeypatch.setattr(backends.F, "scaled_dot_product_attention", counting(F.scaled_dot_product_attention))
-    reference = build("eager", **VARIANTS[variant])
-    sdpa = with_implementation(reference, "sdpa")
-    batch = padded_batch(100, [130, 20, 97])
-    for name in ("input_ids", "attention_mask"):  # 20 more keys of padding in every row
-        batch[name] = torch.cat([batch[name], batch[name].new_zeros(3, 20)], dim=1)
-        batch[name][1] = batch[name][1].roll(110)
-    assert sdpa.encoder.get_rel_index(130, "cpu").near[1] < 110
     with torch.no_grad():
-        expected = reference(**batch).last_hidden_state
         actual = sdpa(**batch).last_hidden_state
         trimmed = sum(pairs)
         monkeypatch.setattr(backends, "_unpadded_span", lambda mask, length: slice(0, length))
