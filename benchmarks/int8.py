@@ -33,7 +33,7 @@ import torch
 import transformers
 
 import disentangled
-from benchmarks import machine
+from benchmarks import machine, records
 from benchmarks.run import V3_BASE, build_models, inputs_for
 from disentangled import onnx_export, quantization
 from disentangled.data import corpus_lines, sentiment_examples, train_sentencepiece
@@ -359,6 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-timing", action="store_true", help="agreement only")
     parser.add_argument("--no-agreement", action="store_true", help="timing only")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--records", type=Path, default=records.RECORDS, help="where int8.jsonl gets the run's record")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -398,6 +399,17 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / ("int8-quick.json" if args.quick else "int8.json")).write_text(json.dumps(report, indent=2))
     print(report["markdown"])
+    if not args.quick:  # a smoke run is not a measurement
+        figures = {
+            "layers": layers,
+            "repeats": repeats,
+            "timing": [dict(row, case=row["case"].split(" (")[0]) for row in report["timing"]],
+            "agreement": report["agreement"],
+            "versions": report["versions"],
+            "engine": quantization.default_engine(),
+        }
+        record = records.append_record("int8", figures, command=report["command"].split(), folder=args.records)
+        print(f"appended a record to {args.records / 'int8.jsonl'} (commit {record['commit']})")
     return report
 
 

@@ -1,6 +1,7 @@
 """The benchmark command runs end to end on its quick shapes (1 layer) and reports every model in every case.
 
-No timing is asserted: the numbers come from `python -m benchmarks.run` on an idle machine (README, Performance).
+No timing is asserted: the numbers come from `python -m benchmarks.run` runs, recorded in benchmarks/records/
+(docs/performance.md is generated from them).
 """
 
 from __future__ import annotations

@@ -12,11 +12,11 @@ of the `torchao` package. The equivalent there is
     quantize_(model, Int8DynamicActivationInt8WeightConfig())
 
 (`pip install torchao`; not a dependency of this package). For serving, see also `disentangled export-onnx
-MODEL_DIR model.onnx --quantize int8` (README, Performance).
+MODEL_DIR model.onnx --quantize int8` (docs/serving.md).
 
 The int8 products run in the kernels of the quantized engine that packed the weights. On a CPU with AMX int8
 tiles (Intel Xeon from Sapphire Rapids on) the weights are packed for oneDNN, whose int8 products use the
-tiles (faster there than torch's default x86 engine, which packs for FBGEMM: README, int8 inference); elsewhere
+tiles (faster there than torch's default x86 engine, which packs for FBGEMM: docs/serving.md); elsewhere
 torch's current engine packs them, as torch would.
 """
 
