@@ -41,14 +41,20 @@ def clean_sys_path(python: str | Path) -> list[str]:
 
 
 def run_isolated(
-    python: str | Path, script: Path, args: list[str], env: dict | None = None, timeout: int = 600
+    python: str | Path,
+    script: Path,
+    args: list[str],
+    env: dict | None = None,
+    timeout: int = 600,
+    cwd: Path | None = None,
 ) -> subprocess.CompletedProcess:
+    """Run `script` with `args` in `cwd` (default: an empty temporary folder)."""
     code = PRELUDE.format(path=json.dumps(clean_sys_path(python)), argv=json.dumps([str(script), *args]))
     code += f"\nexec(compile(open({str(script)!r}).read(), {str(script)!r}, 'exec'))\n"
-    with tempfile.TemporaryDirectory() as cwd:
+    with tempfile.TemporaryDirectory() as empty:
         return subprocess.run(
             [str(python), "-I", "-S", "-c", code],
-            cwd=cwd,
+            cwd=cwd or empty,
             env={**os.environ, **(env or {})},
             capture_output=True,
             text=True,

@@ -1,9 +1,9 @@
-"""The usage snippets a user copies run as they are, without a question, on transformers 5.x and 4.57.
+"""The converted model card's Usage block runs as it is, without a question, on transformers 5.x and 4.57.
 
-The converted model card's Usage block and the README's Conversion example are taken from the rendered card and
-the README themselves, the repo id replaced by a converted local folder, and run where the package cannot be
-imported, with no stdin: a "Do you wish to run the custom code?" prompt would show in the output (and in a terminal
-would wait for an answer).
+The block is taken from the rendered card itself, the repo id replaced by a converted local folder, and run where the
+package cannot be imported, with no stdin: a "Do you wish to run the custom code?" prompt would show in the output
+(and in a terminal would wait for an answer). The README's and the manual's blocks are run by
+tests/test_documented_commands.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from spm_fixture import train_spm
 
 from disentangled import cli
 
-README = Path(__file__).resolve().parent.parent / "README.md"
 PROMPT = "Do you wish to run the custom code"
 DONE = "SNIPPET DONE"
 
@@ -47,12 +46,6 @@ def card_snippet(folder: Path) -> str:
     repo_id = re.search(r'from_pretrained\("([^"]+)"', code)[1]
     assert "AutoTokenizer.from_pretrained(" in code and "outputs = model(**inputs)" in code, code
     return code.replace(f'"{repo_id}"', repr(str(folder))) + "print(outputs.logits.shape)\n"
-
-
-def readme_snippet(folder: Path) -> str:
-    code = python_block_after(README.read_text(), "## Conversion and the Hub")
-    assert "AutoTokenizer.from_pretrained(" in code, code
-    return code.replace('"you/deberta-v3-base-disentangled"', repr(str(folder)))
 
 
 def run_snippet(python, code: str, tmp_path: Path) -> str:
@@ -81,11 +74,6 @@ def pythons() -> list:
 def test_model_card_usage_runs_without_a_question(converted, python, tmp_path):
     out = run_snippet(python, card_snippet(converted), tmp_path)
     assert "torch.Size([1, " in out  # the snippet ran the model on the tokenizer's ids
-
-
-@pytest.mark.parametrize("python", pythons())
-def test_readme_conversion_example_runs_without_a_question(converted, python, tmp_path):
-    run_snippet(python, readme_snippet(converted), tmp_path)
 
 
 def test_the_check_sees_the_question(converted, tmp_path):

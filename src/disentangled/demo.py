@@ -1,4 +1,4 @@
-"""`disentangled demo`: the README's main job, end to end, on a built-in stand-in for a Hub model.
+"""`disentangled demo`: the job of docs/getting-started.md, end to end, on a built-in stand-in for a Hub model.
 
 1. train a SentencePiece tokenizer on built-in text (DeBERTa-v3's special ids),
 2. pretrain a small DeBERTa-v3-style masked-LM model on built-in templated text with `disentangled pretrain
@@ -12,7 +12,7 @@
 
 The pretraining is masked LM *without* the Enhanced Mask Decoder: transformers' `DebertaV2ForMaskedLM` cannot represent
 the decoder (it predicts from the last layer's output), so only a model without it exports to transformers' format
-honestly. `disentangled pretrain --objective rtd` trains DeBERTa-v3's own objective (README, Pretraining).
+honestly. `disentangled pretrain --objective rtd` trains DeBERTa-v3's own objective (docs/pretraining.md).
 `--model microsoft/deberta-v3-xsmall` skips 1-3 and converts that Hub checkpoint instead.
 """
 
