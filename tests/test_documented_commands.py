@@ -15,9 +15,12 @@ An unmarked command block, an unknown mark, or a fenced block without a language
 so nobody adds a command that no test runs. The blocks are read when the module is collected, so new pages and
 blocks are picked up as they come.
 
-Python blocks run in this process (torch and transformers are already imported), in the block's folder; `disentangled`
-command lines run through `disentangled.cli.main`, the console script's entry point, also in this process; other
-shell lines run in bash with this environment's `bin/` first on PATH.
+Python blocks run in a child forked from a process that has imported torch and transformers but not this package, so
+each starts as a reader's fresh interpreter would (a missing `import disentangled` or `trust_remote_code=True` fails),
+without paying torch's import each time. `disentangled` command lines run through `disentangled.cli.main`, the console
+script's entry point, in this process (logging levels, threads and random state put back after); other shell lines
+run in bash with this environment's `bin/` first on PATH. A block fails when it exits non-zero or prints transformers'
+"Do you wish to run the custom code?" question.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import json
 import logging
 import os
 import re
-import runpy
 import shlex
 import shutil
 import subprocess
@@ -161,6 +163,13 @@ def test_the_reader_sees_the_marks_it_needs():
     assert problems_of(Block("x.md", 1, "bash", "ls\n", "covered", "tests/test_layout.py::no_such_test"))
 
 
+def test_the_readme_is_a_front_page():
+    """What it is, install, one usage block, one results table and figure, links: no run diary."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    assert not re.search(r"our reading|\b20\d\d-\d\d-\d\d\b", readme, re.IGNORECASE)
+
+
 def tiny(code: str) -> str:
     for option, value in TINY.items():
         if value is None:
@@ -269,13 +278,62 @@ def run_shell(code: str, folder: Path) -> str:
     return output
 
 
-def run_python(code: str, folder: Path) -> str:
-    script = folder / "documented_block.py"
+# A Python process that has imported torch and transformers, and nothing of this package, forks a child per block: the
+# child starts as a fresh interpreter would after those two imports, so a block that forgets `import disentangled` (or
+# `trust_remote_code=True`) fails here as it would for a reader, without paying torch's import for every block.
+FORK_SERVER = """
+import json, os, runpy, sys, traceback
+import torch, transformers
+from transformers import AutoModel, AutoTokenizer, pipeline  # loads the modules every block needs, once
+for request in sys.stdin:
+    script, output = json.loads(request)
+    pid = os.fork()
+    if pid == 0:
+        status = 0
+        try:
+            with open(output, "w") as out, open(os.devnull) as nothing:
+                os.dup2(nothing.fileno(), 0)
+                os.dup2(out.fileno(), 1)
+                os.dup2(out.fileno(), 2)
+                os.chdir(os.path.dirname(script))
+                sys.argv = [script]
+                try:
+                    runpy.run_path(script, run_name="__main__")
+                except BaseException:
+                    traceback.print_exc()
+                    status = 1
+                sys.stdout.flush()
+                sys.stderr.flush()
+        finally:
+            os._exit(status)
+    _, code = os.waitpid(pid, 0)
+    print(json.dumps(os.waitstatus_to_exitcode(code)), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def fork_server():
+    server = subprocess.Popen(
+        [sys.executable, "-c", FORK_SERVER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    yield server
+    server.stdin.close()
+    server.wait(timeout=60)
+
+
+def run_python(code: str, folder: Path, server: subprocess.Popen) -> str:
+    script, output = folder / "documented_block.py", folder / "documented_block.out"
     script.write_text(code)
-    out = io.StringIO()
-    with in_process(folder, out):
-        runpy.run_path(str(script), run_name="__main__")
-    return out.getvalue()
+    server.stdin.write(json.dumps([str(script), str(output)]) + "\n")
+    server.stdin.flush()
+    status = json.loads(server.stdout.readline())
+    printed = output.read_text()
+    assert status == 0, printed[-3000:]
+    return printed
 
 
 def run_params() -> list:
@@ -289,7 +347,7 @@ def run_params() -> list:
 
 
 @pytest.mark.parametrize("block, where", run_params())
-def test_documented_block_runs(block: Block, where: str, workspace: Path, tmp_path: Path):
+def test_documented_block_runs(block: Block, where: str, workspace: Path, fork_server, tmp_path: Path):
     folder = folder_for(block, workspace, tmp_path)
     code = tiny(block.code) if "tiny" in block.options else block.code
     if block.language != "python":
@@ -302,5 +360,5 @@ def test_documented_block_runs(block: Block, where: str, workspace: Path, tmp_pa
         output = result.stdout + result.stderr
         assert result.returncode == 0, output[-3000:]
     else:
-        output = run_python(code, folder)
+        output = run_python(code, folder, fork_server)
     assert PROMPT not in output, output[-3000:]
