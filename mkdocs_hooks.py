@@ -11,10 +11,13 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from mkdocs.plugins import event_priority
+
 ROOT = Path(__file__).resolve().parent
 SUBPACKAGES = ("configuration", "modeling", "conversion")
 
 
+@event_priority(100)  # before mkdocstrings reads `paths`: on a fresh clone .api-src does not exist yet
 def on_config(config, **kwargs):
     package = ROOT / ".api-src" / "disentangled"
     shutil.rmtree(package.parent, ignore_errors=True)
