@@ -111,23 +111,23 @@ def test_device_check_passes_on_the_cpu_and_catches_a_wrong_term(monkeypatch, ca
     """The prepared accelerator check, run on the CPU (flex through its dense reference): it passes, and a
     backend that drops the p2c term fails it."""
     from benchmarks import device_check
-    from disentangled.modeling import disentangled_attention as backends
+    from disentangled.modeling import disentangled_attention, flex_attention, modeling_disentangled
 
-    monkeypatch.setattr(backends, "FLEX_COMPILED", False)
+    monkeypatch.setattr(flex_attention, "FLEX_COMPILED", False)
     with pytest.raises(SystemExit) as passed:
         device_check.main(["--device", "cpu", "--no-benchmark"])
     assert passed.value.code == 0 and capsys.readouterr().out.count(": ok") == 2
 
-    sdpa = backends.DISENTANGLED_ATTENTION_FUNCTIONS["sdpa"]
+    sdpa = modeling_disentangled.DISENTANGLED_ATTENTION_FUNCTIONS["sdpa"]
 
     def without_p2c(module, query, key, value, attention_mask, scaling, dropout=0.0, position_scores=None, **kwargs):
         if position_scores is not None:
-            position_scores = backends.PositionScores(
+            position_scores = disentangled_attention.PositionScores(
                 query, key, position_scores.pos_key, None, position_scores.p2p, position_scores.positions
             )
         return sdpa(module, query, key, value, attention_mask, scaling, dropout, position_scores, **kwargs)
 
-    monkeypatch.setitem(backends.DISENTANGLED_ATTENTION_FUNCTIONS, "sdpa", without_p2c)
+    monkeypatch.setitem(modeling_disentangled.DISENTANGLED_ATTENTION_FUNCTIONS, "sdpa", without_p2c)
     with pytest.raises(SystemExit) as failed:
         device_check.main(["--device", "cpu", "--no-benchmark"])
     assert failed.value.code == 1 and "FAIL" in capsys.readouterr().out
@@ -181,16 +181,15 @@ def test_cpu_inference_variants_run_and_restore_the_module_constants(capsys):
     """Every variant runs (and is checked equal to the model as it stands inside the command); the constants it
     changes are restored; the held buffers are reported."""
     from benchmarks import cpu_inference
-    from disentangled.modeling import disentangled_attention as backends
 
     names = ("KEEP_WORKSPACE", "ADD_CHUNK_KEYS", "BAND_TABLE_KEYS", "PRODUCT_COLUMNS_MULTIPLE", "_attend_by_distance")
-    before = {name: getattr(backends, name) for name in names}
+    before = {name: getattr(cpu_inference.HOMES[name], name) for name in names}
     arguments = ["--cases", "2x96", "--layers", "1", "--repeats", "1", "--held-lengths", "96", "--baseline", "HEAD"]
     cpu_inference.main(arguments)
     printed = capsys.readouterr().out
     assert all(f"| {variant} |" in printed for variant in [*cpu_inference.VARIANTS, "at-HEAD"])
     assert "| 96 |" in printed and " MiB |" in printed
-    assert before == {name: getattr(backends, name) for name in before}
+    assert before == {name: getattr(cpu_inference.HOMES[name], name) for name in before}
 
 
 def test_cpu_inference_products_print_both_layouts_for_each_shape(capsys):
@@ -232,7 +231,7 @@ def test_train_step_times_the_baseline_and_restores_the_sdpa_function(capsys):
     """--baseline times the sdpa path of a git revision beside the model as it stands, after checking that their
     gradients agree; the registered sdpa function is the current one afterwards."""
     from benchmarks import train_step
-    from disentangled.modeling import disentangled_attention as backends
+    from disentangled.modeling import modeling_disentangled, sdpa_attention
 
     train_step.main(["--cases", "2x48", "--layers", "1", "--repeats", "1", "--no-eager", "--baseline", "HEAD"])
     printed = capsys.readouterr().out
@@ -240,7 +239,7 @@ def test_train_step_times_the_baseline_and_restores_the_sdpa_function(capsys):
     assert rows == ["| ours-sdpa", "| transformers-deberta", "| bert-sdpa", "| ours-sdpa at HEAD"]
     assert re.search(r"Buffers ours-sdpa keeps between steps at 2x48: \d+ MiB", printed)
     assert "| page faults per step |" in printed
-    assert backends.DISENTANGLED_ATTENTION_FUNCTIONS["sdpa"] is backends.sdpa_disentangled
+    assert modeling_disentangled.DISENTANGLED_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention.sdpa_disentangled
 
 
 def test_train_step_refuses_a_baseline_whose_gradients_differ(monkeypatch):
@@ -248,20 +247,22 @@ def test_train_step_refuses_a_baseline_whose_gradients_differ(monkeypatch):
     import types
 
     from benchmarks import train_step
-    from disentangled.modeling import disentangled_attention as backends
+    from disentangled.modeling import disentangled_attention, modeling_disentangled, sdpa_attention
 
     def without_p2c(module, query, key, value, attention_mask, scaling, dropout=0.0, position_scores=None, **kwargs):
-        position_scores = backends.PositionScores(
+        position_scores = disentangled_attention.PositionScores(
             position_scores.query, position_scores.key, position_scores.pos_key, None, None, position_scores.positions
         )
-        return backends.sdpa_disentangled(module, query, key, value, attention_mask, scaling, dropout, position_scores)
+        return sdpa_attention.sdpa_disentangled(
+            module, query, key, value, attention_mask, scaling, dropout, position_scores
+        )
 
     monkeypatch.setattr(
         train_step, "baseline_backends", lambda *_: types.SimpleNamespace(sdpa_disentangled=without_p2c)
     )
     with pytest.raises(SystemExit, match="gradient of .* differs at 2x48"):
         train_step.main(["--cases", "2x48", "--layers", "1", "--repeats", "1", "--no-eager", "--baseline", "HEAD"])
-    assert backends.DISENTANGLED_ATTENTION_FUNCTIONS["sdpa"] is backends.sdpa_disentangled
+    assert modeling_disentangled.DISENTANGLED_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention.sdpa_disentangled
 
 
 def test_train_step_in_fresh_processes_prints_the_median_and_range_of_each_ratio(capsys):
