@@ -11,6 +11,7 @@ import re
 import pytest
 
 from benchmarks import machine, run
+from benchmarks.records import read_records
 
 
 def summary_rows(printed: str, processes: int, case: str) -> dict[str, tuple[tuple[float, float, float], ...]]:
@@ -30,7 +31,7 @@ def summary_rows(printed: str, processes: int, case: str) -> dict[str, tuple[tup
 
 
 def test_quick_benchmark_reports_every_case_and_model(tmp_path):
-    run.main(["--quick", "--layers", "1", "--repeats", "1", "--out", str(tmp_path)])
+    run.main(["--quick", "--layers", "1", "--repeats", "1", "--out", str(tmp_path), "--records", str(tmp_path)])
     report = json.loads((tmp_path / "benchmark-quick.json").read_text())
     cases = [row["case"] for row in report["inference"] + report["training"]]
     assert cases == ["infer 8x128 (1 layers)", "infer 2x512 (1 layers)", "train 2x128 (1 layers)"]
@@ -39,12 +40,28 @@ def test_quick_benchmark_reports_every_case_and_model(tmp_path):
         assert all(seconds > 0 for seconds in row["times"].values())
     assert "| infer 2x512 (1 layers) |" in report["markdown"]
     assert f"Processor: {report['processor']}" in report["markdown"]
+    (record,) = read_records("run", tmp_path)  # one record, in the schema the manual's tables are made from
+    figures = record["figures"]
+    assert {key: figures[key] for key in ("device", "dtype", "layers", "repeats", "processes")} == {
+        "device": "cpu",
+        "dtype": "float32",
+        "layers": 1,
+        "repeats": 1,
+        "processes": 1,
+    }
+    assert [case["case"] for case in figures["cases"]] == ["infer 8x128", "infer 2x512", "train 2x128"]
+    first = figures["cases"][0]
+    assert (first["mode"], first["batch"], first["length"], first["target"]) == ("infer", 8, 128, 1.10)
+    assert first["times"] == [report["inference"][0]["times"]] and figures["cases"][1]["target"] is None
+    ratio = first["times"][0]["ours-sdpa"] / first["times"][0]["bert-sdpa"]
+    assert first["ours_over_bert"] == {"median": ratio, "min": ratio, "max": ratio}
+    assert set(first["transformers_over_ours"]) == {"median", "min", "max"} and "memory" not in figures
 
 
 def test_benchmark_in_fresh_processes_prints_the_median_and_range_of_each_ratio(tmp_path, capsys):
     """--processes times the chosen cases in child processes and summarizes each ratio over them."""
     arguments = ["--quick", "--layers", "1", "--repeats", "1", "--no-eager", "--cases", "infer-8x128", "train-2x128"]
-    run.main([*arguments, "--processes", "2", "--out", str(tmp_path)])
+    run.main([*arguments, "--processes", "2", "--out", str(tmp_path), "--records", str(tmp_path)])
     printed = capsys.readouterr().out
     summary = json.loads((tmp_path / "processes.json").read_text())
     assert len(summary["processes"]) == 2
@@ -58,6 +75,11 @@ def test_benchmark_in_fresh_processes_prints_the_median_and_range_of_each_ratio(
     assert all(re.fullmatch(r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)", cells[1]) for cells in rows)
     assert rows[0][3] == "1.10" and re.fullmatch(r"[0-2] of 2", rows[0][4])
     assert rows[1][3:] == ["-", "-"]  # 2x128 has no target
+    (record,) = read_records("run", tmp_path)  # the parent's record only, with each process's times
+    case = record["figures"]["cases"][0]
+    assert record["figures"]["processes"] == 2 and len(case["times"]) == 2
+    ratios = [times["ours-sdpa"] / times["bert-sdpa"] for times in case["times"]]
+    assert case["ours_over_bert"]["min"] == min(ratios) and case["ours_over_bert"]["max"] == max(ratios)
     with pytest.raises(SystemExit, match="infer-3x3: not among"):
         run.main(["--quick", "--cases", "infer-3x3", "--out", str(tmp_path)])
 
@@ -81,9 +103,15 @@ def test_benchmark_memory_child_and_low_precision(tmp_path):
     """bfloat16 timings and one memory point (a capped subprocess) run and report."""
     run.main(
         ["--quick", "--layers", "1", "--repeats", "1", "--dtype", "bfloat16", "--no-eager", "--out", str(tmp_path)]
+        + ["--records", str(tmp_path)]
     )
     report = json.loads((tmp_path / "benchmark-quick.json").read_text())
-    assert "bfloat16" in report["machine"] and len(report["inference"]) == 2
+    assert "bfloat16" in report["machine"] and len(report["inference"]) == 2 and len(report["training"]) == 1
+    (record,) = read_records("run", tmp_path)
+    amx = "amx_bf16" in record["extensions"]  # bfloat16's targets with AMX, float32's without
+    assert record["figures"]["dtype"] == "bfloat16" and record["figures"]["cases"][0]["target"] == (
+        1.25 if amx else 1.10
+    )
     folder = tmp_path / "checkpoint"
     run.build_models(1, folder, [], False)
     result = run.memory_case("ours-sdpa", 256, 16.0, folder, 300.0, "cpu", "float32")
