@@ -319,7 +319,11 @@ def _band_views(bands: list[Tensor], rows: int) -> list[tuple[slice, Tensor]]:
 
 def _dot_each(rows: Tensor, vector: Tensor) -> Tensor:
     """[g, H, n, D] rows against one [H, D] vector per head: [g, H, n]. (matmul with a [D, 1] operand runs a
-    matrix-vector bmm, many times slower on the CPU than the [1, D] x [D, n] product einsum chooses.)"""
+    matrix-vector bmm, many times slower on the CPU in float32 than the [1, D] x [D, n] product einsum chooses; in
+    bfloat16 einsum's product copies the rows transposed first, and the [n, D] x [D, 1] product is the faster: 0.46
+    against 1.8 ms for 2,048 keys on a Xeon with AMX.)"""
+    if rows.dtype == torch.bfloat16:
+        return _by_head(rows, vector.unsqueeze(1)).squeeze(-1)
     return torch.einsum("ghnd,hd->ghn", rows, vector)
 
 
