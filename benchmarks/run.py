@@ -441,6 +441,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.processes < 1:
         raise SystemExit(f"--processes {args.processes}: give 1 or more")
+    if args.threads:  # before the processes are started: the record says how many threads they ran with
+        torch.set_num_threads(args.threads)
     if args.processes > 1:
         if args.no_timing:
             raise SystemExit("--processes repeats the timings: drop --no-timing")
@@ -453,8 +455,6 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     torch.manual_seed(0)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     repeats = args.repeats or (1 if args.quick else 5)
     if args.quick:
         inference_cases = [(12, 8, 128), (12, 2, 512)]

@@ -61,6 +61,7 @@ def test_quick_benchmark_reports_every_case_and_model(tmp_path):
 def test_benchmark_in_fresh_processes_prints_the_median_and_range_of_each_ratio(tmp_path, capsys):
     """--processes times the chosen cases in child processes and summarizes each ratio over them."""
     arguments = ["--quick", "--layers", "1", "--repeats", "1", "--no-eager", "--cases", "infer-8x128", "train-2x128"]
+    arguments += ["--threads", "1"]
     run.main([*arguments, "--processes", "2", "--out", str(tmp_path), "--records", str(tmp_path)])
     printed = capsys.readouterr().out
     summary = json.loads((tmp_path / "processes.json").read_text())
@@ -77,7 +78,7 @@ def test_benchmark_in_fresh_processes_prints_the_median_and_range_of_each_ratio(
     assert rows[1][3:] == ["-", "-"]  # 2x128 has no target
     (record,) = read_records("run", tmp_path)  # the parent's record only, with each process's times
     case = record["figures"]["cases"][0]
-    assert record["figures"]["processes"] == 2 and len(case["times"]) == 2
+    assert record["figures"]["processes"] == 2 and len(case["times"]) == 2 and record["threads"] == 1
     ratios = [times["ours-sdpa"] / times["bert-sdpa"] for times in case["times"]]
     assert case["ours_over_bert"]["min"] == min(ratios) and case["ours_over_bert"]["max"] == max(ratios)
     with pytest.raises(SystemExit, match="infer-3x3: not among"):
