@@ -8,7 +8,7 @@
     python -m benchmarks.cpu_inference --variants as-is --baseline fcb26f5 --processes 5   # five fresh processes
 
 Times the model as it stands against variants that each undo one choice (module constants of
-`disentangled.modeling.disentangled_attention`), interleaved with a same-size BERT with sdpa; prints medians and
+`disentangled.modeling.cpu_inference` and `.workspace`), interleaved with a same-size BERT with sdpa; prints medians and
 ratios to BERT. Every variant's output is checked equal to the model's (a `--baseline` one to 1e-5). Variants:
 
 - `fresh-buffers`: every call allocates its buffers (KEEP_WORKSPACE=False), as before they were kept;
@@ -16,7 +16,8 @@ ratios to BERT. Every variant's output is checked equal to the model's (a `--bas
 - `band-32-keys`, `band-128-keys`: U's bands of 32 or 128 keys (BAND_TABLE_KEYS), not 64;
 - `unpadded-products`: T and U products of their exact widths (PRODUCT_COLUMNS_MULTIPLE=1), not multiples of 16;
 - `at-REV` (with `--baseline REV`): `_attend_by_distance` as it was at git revision REV (that commit's
-  `modeling/disentangled_attention.py`, loaded beside this one), for a change that is not a module constant.
+  `modeling/cpu_inference.py`, or `modeling/disentangled_attention.py` before the attention code was split into
+  files, loaded beside this one), for a change that is not a module constant.
 
 Then the buffers one call leaves held, per length (what `model.release_workspace()` frees).
 
@@ -41,7 +42,8 @@ import torch
 
 from benchmarks import machine
 from benchmarks.run import V3_BASE, build_models, in_fresh_processes, inputs_for, print_ratio_medians, time_once
-from disentangled.modeling import disentangled_attention as backends
+from disentangled.modeling import cpu_inference as by_distance
+from disentangled.modeling import disentangled_attention, sdpa_attention, workspace
 
 VARIANTS = {
     "as-is": {},
@@ -51,27 +53,51 @@ VARIANTS = {
     "band-128-keys": {"BAND_TABLE_KEYS": 128},
     "unpadded-products": {"PRODUCT_COLUMNS_MULTIPLE": 1},
 }
+# the module each setting is read from (`_attend_by_distance`: where `sdpa_disentangled` calls it)
+HOMES = {
+    "KEEP_WORKSPACE": workspace,
+    "ADD_CHUNK_KEYS": by_distance,
+    "BAND_TABLE_KEYS": by_distance,
+    "PRODUCT_COLUMNS_MULTIPLE": by_distance,
+    "_attend_by_distance": sdpa_attention,
+}
 
 
-def baseline_backends(revision: str, folder: Path):
-    """modeling/disentangled_attention.py at git `revision`, imported as a sibling module of the current one (its
-    relative imports resolve to today's package)."""
+def baseline_backends(revision: str, folder: Path, file: str = "cpu_inference.py"):
+    """modeling/`file` at git `revision` (modeling/disentangled_attention.py at a revision from before the attention
+    code was split into files), imported as a sibling module of the current one (its relative imports resolve to
+    today's package)."""
     root = Path(__file__).resolve().parent.parent
-    shown = subprocess.run(
-        ["git", "show", f"{revision}:modeling/disentangled_attention.py"], cwd=root, capture_output=True, text=True
-    )
+    for source in (file, "disentangled_attention.py"):
+        shown = subprocess.run(
+            ["git", "show", f"{revision}:modeling/{source}"], cwd=root, capture_output=True, text=True
+        )
+        if shown.returncode == 0:
+            break
     if shown.returncode != 0:
         raise SystemExit(
             f"--baseline {revision}: git show failed ({shown.stderr.strip()}); give a commit of this repository"
         )
     path = folder / "baseline_attention.py"
     path.write_text(shown.stdout)
-    name = f"{backends.__package__}._baseline_attention"
+    name = f"{disentangled_attention.__package__}._baseline_attention"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def attend_at(revision: str, folder: Path):
+    """`_attend_by_distance` as at `revision`, called as `sdpa_disentangled` calls today's (before the split, its
+    caller passed the block size)."""
+    attend = baseline_backends(revision, folder)._attend_by_distance
+
+    def attend_by_distance(*arguments):
+        *arguments, block_elements = arguments
+        return attend(*arguments, block_elements or by_distance.DISTANCE_BLOCK_ELEMENTS)
+
+    return attend_by_distance
 
 
 PRODUCT_SHAPES = [(512, 255), (512, 256), (128, 639), (128, 640), (192, 1017), (192, 1024)]  # (rows, columns)
@@ -98,17 +124,17 @@ def product_timings(repeats: int) -> None:
 FAR_BLOCK_ROWS = (192, 256, 384)  # rows per block of the far keys' calls (`_attend_by_distance` uses 192)
 
 
-def v3_positions(length: int) -> backends.RelativePositions:
+def v3_positions(length: int) -> disentangled_attention.RelativePositions:
     """The relative positions of a `length`-token input to the v3-base shape (`V3_BASE`: 256 log buckets over
     max_position_embeddings)."""
     buckets, reach = V3_BASE["position_buckets"], V3_BASE["max_position_embeddings"]
-    return backends.RelativePositions.build(length, buckets, buckets, reach, "cpu")
+    return disentangled_attention.RelativePositions.build(length, buckets, buckets, reach, "cpu")
 
 
 def _far_call(query, key, value, bias, shift: int, rows: int | None) -> None:
     """The far-left keys (i - j >= shift): one causal call over rows [shift, L) and keys [0, L - shift) (`rows`
     None), or for each block of `rows` query rows one call without a mask over the keys before its band."""
-    flash, length = backends.cpu_flash_attention, query.shape[-2]
+    flash, length = by_distance.cpu_flash_attention, query.shape[-2]
     if rows is None:
         count = length - shift
         q, k, v = query[:, :, shift:], key[:, :, :count], value[:, :, :count]
@@ -130,7 +156,7 @@ def far_call_timings(lengths: list[int], repeats: int) -> None:
     PyTorch's CPU flash kernel computes the key block (512 keys) that holds a row block's causal edge in full and
     masks it afterwards, so the causal call works on more pairs than the triangle holds. The blocks' parts are not
     merged here (the model merges them with the band's). Median milliseconds."""
-    if not backends.CPU_FLASH_WITH_LSE:
+    if not by_distance.CPU_FLASH_WITH_LSE:
         raise SystemExit("--far-calls needs PyTorch's CPU flash kernel (torch >= 2.3)")
     heads = V3_BASE["num_attention_heads"]
     dim = V3_BASE["hidden_size"] // heads
@@ -158,8 +184,8 @@ def far_call_timings(lengths: list[int], repeats: int) -> None:
 
 def held_mib(model) -> float:
     """MiB of the buffers `model` keeps on this thread after its last call."""
-    workspace = backends.kept_workspace(model.encoder) or {}
-    tensors = [value for value in workspace.values() if isinstance(value, torch.Tensor)]
+    held = workspace.kept_workspace(model.encoder) or {}
+    tensors = [value for value in held.values() if isinstance(value, torch.Tensor)]
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors) / 2**20
 
 
@@ -209,20 +235,18 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as folder:
         models = build_models(args.layers, Path(folder), ["sdpa"], False)
         if args.baseline:
-            variants[f"at-{args.baseline}"] = {
-                "_attend_by_distance": baseline_backends(args.baseline, Path(folder))._attend_by_distance
-            }
+            variants[f"at-{args.baseline}"] = {"_attend_by_distance": attend_at(args.baseline, Path(folder))}
     ours, bert = models["ours-sdpa"], models["bert-sdpa"]
-    defaults = {name: getattr(backends, name) for settings in variants.values() for name in settings}
+    defaults = {name: getattr(HOMES[name], name) for settings in variants.values() for name in settings}
 
     workspaces = {}  # each variant keeps its own buffers, as a model running only that variant would
 
     def call(variant: str, inputs) -> float:
         for name, value in {**defaults, **variants[variant]}.items():
-            setattr(backends, name, value)
-        if backends.KEEP_WORKSPACE:
-            backends.kept_workspace(ours.encoder)  # makes this thread's {module: workspace} map
-            backends._workspaces.by_module[ours.encoder] = workspaces.setdefault(variant, {})
+            setattr(HOMES[name], name, value)
+        if workspace.KEEP_WORKSPACE:
+            workspace.kept_workspace(ours.encoder)  # makes this thread's {module: workspace} map
+            workspace._workspaces.by_module[ours.encoder] = workspaces.setdefault(variant, {})
         return time_once(ours, inputs, False)
 
     print(f"{machine.describe()}; {args.layers} layers; median of {args.repeats} interleaved rounds")
@@ -253,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"| {name} | {median * 1e3:.1f} ms | {median / bert_time:.2f} |")
     finally:
         for name, value in defaults.items():
-            setattr(backends, name, value)
+            setattr(HOMES[name], name, value)
     if args.child_results:
         args.child_results.write_text(json.dumps(ratios))
     print("\n| length | buffers held after a call |\n|---|---|")

@@ -4,6 +4,7 @@
     python -m benchmarks.run --quick    # about a minute: small shapes, one repeat, no memory sweep
     python -m benchmarks.run --device cuda --dtype bfloat16   # on a GPU (memory: allocated, capped per process)
     python -m benchmarks.run --no-eager --layers 2 --cases train-4x128 train-2x512 --processes 5   # 5 processes
+    python -m benchmarks.run --no-eager --layers 2 --no-memory --threads 2 --processes 3 --dtype bfloat16
 
 Everything is DeBERTa-v3-base-shaped (hidden 768, 12 heads, 3072 intermediate, 256 position buckets, random
 weights, float32 unless --dtype). Our model is loaded from transformers' `DebertaV2Model` checkpoint folder, so both run the
@@ -15,8 +16,11 @@ Writes benchmarks/results/benchmark.json and benchmarks/results/memory.png.
 
 On a shared 2-core host a ratio moves from one process to the next by more than the gaps to the targets do.
 `--processes N` runs the timings in N fresh processes, one after another, and prints each ratio's median over them
-with its range, against issue 14's targets (`TARGETS`), with the number of processes at or under each
-(benchmarks/results/processes.json keeps every process's report).
+with its range, against the targets (`targets_for`: float32's, or in bfloat16 on a processor with AMX issue 30's),
+with the number of processes at or under each (benchmarks/results/processes.json keeps every process's report).
+`--dtype bfloat16` casts the models for inference and runs training steps under CPU autocast (float32 weights).
+Every run appends one record to benchmarks/records/run.jsonl (processor and extensions, versions, commit, command,
+each process's times, the ratios and their targets), from which the manual's tables and figures are generated.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import transformers
 
 import disentangled
 from benchmarks import machine
+from benchmarks.records import RECORDS, append_record
 
 RESULTS = Path(__file__).parent / "results"
 V3_BASE = dict(
@@ -81,7 +86,10 @@ def build_bert(layers: int) -> transformers.BertModel:
 def build_models(
     layers: int, folder: Path, backends: list[str], training: bool, device="cpu", dtype=torch.float32
 ) -> dict[str, torch.nn.Module]:
-    """transformers' DebertaV2Model, ours on its weights (one per backend), and a same-size BertModel with sdpa."""
+    """transformers' DebertaV2Model, ours on its weights (one per backend), and a same-size BertModel with sdpa.
+
+    For inference the models are cast to `dtype`; for training in a lower precision they keep float32 weights and
+    `time_once` runs the step under autocast to `dtype`, as mixed-precision training does."""
     torch.manual_seed(0)
     config = transformers.DebertaV2Config(**V3_BASE, num_hidden_layers=layers)
     reference = transformers.DebertaV2Model(config)
@@ -97,7 +105,7 @@ def build_models(
     models["transformers-deberta"] = reference
     models["bert-sdpa"] = bert
     for model in models.values():
-        model.train(training).to(device=device, dtype=dtype)
+        model.train(training).to(device=device, dtype=torch.float32 if training else dtype)
     return models
 
 
@@ -115,13 +123,17 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_once(model, inputs, training: bool) -> float:
+def time_once(model, inputs, training: bool, dtype: torch.dtype = torch.float32) -> float:
+    """Seconds of one call: a forward in inference mode, or a training step (under autocast to `dtype` when that is
+    not float32; the model's weights are float32 then)."""
     device = inputs["input_ids"].device
     synchronize(device)
     start = time.perf_counter()
     if training:
         model.zero_grad(set_to_none=True)
-        model(**inputs).last_hidden_state.square().mean().backward()
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = model(**inputs).last_hidden_state.float().square().mean()
+        loss.backward()
     else:
         with torch.inference_mode():
             model(**inputs)
@@ -130,17 +142,17 @@ def time_once(model, inputs, training: bool) -> float:
 
 
 def timing_case(
-    models, batch: int, length: int, training: bool, repeats: int, warmup: int, device="cpu"
+    models, batch: int, length: int, training: bool, repeats: int, warmup: int, device="cpu", dtype=torch.float32
 ) -> dict[str, float]:
     """Median seconds per call for every model, interleaved: warm-up calls, then `repeats` rounds of one call each."""
     inputs = inputs_for(batch, length, padded=True, device=device)
     times = {name: [] for name in models}
     for _ in range(warmup):
         for model in models.values():
-            time_once(model, inputs, training)
+            time_once(model, inputs, training, dtype)
     for _ in range(repeats):
         for name, model in models.items():
-            times[name].append(time_once(model, inputs, training))
+            times[name].append(time_once(model, inputs, training, dtype))
         gc.collect()
     return {name: statistics.median(values) for name, values in times.items()}
 
@@ -262,6 +274,65 @@ TARGETS = {
     ("train", 4, 128): 1.10,
     ("train", 2, 512): 1.15,
 }
+# In bfloat16 on a processor with AMX (issue 30): inference on the model cast, training under CPU autocast
+BFLOAT16_AMX_TARGETS = {
+    ("infer", 8, 128): 1.25,
+    ("infer", 4, 512): 1.35,
+    ("infer", 1, 2048): 1.60,
+    ("train", 4, 128): 1.10,
+    ("train", 2, 512): 1.10,
+}
+
+
+def targets_for(device: str, dtype: str) -> dict:
+    """The targets of a run: float32's on any CPU, and for bfloat16 where the CPU has no AMX; bfloat16's with AMX;
+    none on an accelerator or in float16."""
+    if device != "cpu" or dtype == "float16":
+        return {}
+    if dtype == "bfloat16" and "amx_bf16" in machine.processor()[1]:
+        return BFLOAT16_AMX_TARGETS
+    return TARGETS
+
+
+def ratio_summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def record_figures(args: argparse.Namespace, rows: list[dict], repeats: int, memory: dict | None = None) -> dict:
+    """The figures of a `run` record: per case, each process's median times and the ratios' median and range.
+    `rows` is [{"case", "times": [one {model: seconds} per process]}] in case order."""
+    targets = targets_for(args.device, args.dtype)
+    cases = []
+    for row in rows:
+        mode, shape = row["case"].split()[:2]
+        batch, length = (int(part) for part in shape.split("x"))
+        times = row["times"]
+        cases.append(
+            {
+                "case": f"{mode} {shape}",
+                "mode": mode,
+                "batch": batch,
+                "length": length,
+                "layers": row["layers"],
+                "times": times,
+                "ours_over_bert": ratio_summary([t["ours-sdpa"] / t["bert-sdpa"] for t in times]),
+                "transformers_over_ours": ratio_summary([t["transformers-deberta"] / t["ours-sdpa"] for t in times]),
+                "target": targets.get((mode, batch, length)),
+            }
+        )
+    figures = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "layers": args.layers or 12,
+        "repeats": repeats,
+        "processes": args.processes,
+        "cases": cases,
+    }
+    if memory:
+        figures["memory"] = {
+            name: {str(length): result for length, result in by_length.items()} for name, by_length in memory.items()
+        }
+    return figures
 
 
 def case_name(training: bool, batch: int, length: int) -> str:
@@ -308,7 +379,7 @@ def in_processes(args: argparse.Namespace, argv: list[str]) -> None:
     of ours-sdpa / BERT-sdpa and of transformers / ours-sdpa, each with its range, and the target where there is
     one (on the CPU in float32), with how many processes measured at or under it."""
     # the same arguments; argparse keeps the last of a repeated option, so these override the caller's
-    child = [*argv, "--processes", "1", "--no-memory", "--out"]
+    child = [*argv, "--processes", "1", "--no-memory", "--no-record", "--out"]
     reports = in_fresh_processes("benchmarks.run", child, args.processes, _only_report)
     lines = [
         f"`python -m benchmarks.run {' '.join(argv)}`: {args.processes} processes, one after another, on "
@@ -326,7 +397,7 @@ def in_processes(args: argparse.Namespace, argv: list[str]) -> None:
         theirs = [times["transformers-deberta"] / times["ours-sdpa"] for times in rows]
         mode, shape = row["case"].split()[:2]
         batch, length = (int(part) for part in shape.split("x"))
-        target = TARGETS.get((mode, batch, length)) if (args.device, args.dtype) == ("cpu", "float32") else None
+        target = targets_for(args.device, args.dtype).get((mode, batch, length))
         met = f"{sum(ratio <= target for ratio in ours)} of {len(ours)}" if target else "-"
         lines.append(
             f"| {row['case']} | {statistics.median(ours):.2f} ({min(ours):.2f}-{max(ours):.2f}) "
@@ -337,6 +408,12 @@ def in_processes(args: argparse.Namespace, argv: list[str]) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "processes.json").write_text(json.dumps({"markdown": markdown, "processes": reports}, indent=2))
     print(markdown)
+    if not args.no_record:
+        rows = []
+        for index, row in enumerate(reports[0]["inference"] + reports[0]["training"]):
+            times = [(report["inference"] + report["training"])[index]["times"] for report in reports]
+            rows.append({"case": row["case"], "layers": row["layers"], "times": times})
+        append_record("run", record_figures(args, rows, reports[0]["repeats"]), folder=args.records)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -359,9 +436,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--cases", nargs="+", metavar="CASE", help="time only these: infer-8x128, train-2x512, ...")
     parser.add_argument("--processes", type=int, default=1, help="time in this many fresh processes (see above)")
+    parser.add_argument("--no-record", action="store_true", help="append no record to benchmarks/records/run.jsonl")
+    parser.add_argument("--records", type=Path, default=RECORDS, help=argparse.SUPPRESS)  # the tests' own folder
     args = parser.parse_args(argv)
     if args.processes < 1:
         raise SystemExit(f"--processes {args.processes}: give 1 or more")
+    if args.threads:  # before the processes are started: the record says how many threads they ran with
+        torch.set_num_threads(args.threads)
     if args.processes > 1:
         if args.no_timing:
             raise SystemExit("--processes repeats the timings: drop --no-timing")
@@ -374,8 +455,6 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     torch.manual_seed(0)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     repeats = args.repeats or (1 if args.quick else 5)
     if args.quick:
         inference_cases = [(12, 8, 128), (12, 2, 512)]
@@ -401,6 +480,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
         f" ({torch.get_num_threads()} threads), transformers {transformers.__version__}, {args.dtype}"
         + (f", {torch.cuda.get_device_name(args.device)}" if args.device.startswith("cuda") else ""),
+        "repeats": repeats,
         "inference": [],
         "training": [],
         "memory": {},
@@ -415,9 +495,10 @@ def main(argv: list[str] | None = None) -> None:
                     names = [f"ours-{b}" for b in backends if not (training and b == "flex_attention")]
                     backends_here = [n.removeprefix("ours-") for n in names]
                     models = build_models(layers, folder / f"l{layers}", backends_here, training, args.device, dtype)
-                    times = timing_case(models, batch, length, training, repeats, warmup=1, device=args.device)
+                    times = timing_case(models, batch, length, training, repeats, 1, args.device, dtype)
                     row = {
                         "case": f"{'train' if training else 'infer'} {batch}x{length} ({layers} layers)",
+                        "layers": layers,
                         "times": times,
                     }
                     report["training" if training else "inference"].append(row)
@@ -475,6 +556,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=2))
     print(report["markdown"])
+    if not args.no_record and (report["inference"] or report["training"] or report["memory"]):
+        rows = [{**row, "times": [row["times"]]} for row in report["inference"] + report["training"]]
+        append_record("run", record_figures(args, rows, repeats, report["memory"]), folder=args.records)
 
 
 if __name__ == "__main__":

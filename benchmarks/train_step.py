@@ -10,7 +10,7 @@ The models, weights and inputs of `benchmarks.run` (v3-base shape, dropout as in
 alone in a process); prints median seconds per step, each one's ratio to BERT-sdpa, and the median minor page
 faults per step (first touches of freshly mapped memory, which glibc returns to the system and maps again between
 steps). With `--baseline REV`, the same sdpa model also runs with `sdpa_disentangled` as it was at git revision
-REV (that commit's `modeling/disentangled_attention.py`, loaded beside this one), so that a change to the training
+REV (that commit's `modeling/sdpa_attention.py`, loaded beside this one), so that a change to the training
 path is timed against what it replaced in the same process; its gradients are checked against the model's to 1e-4
 first.
 `--processes N` runs the comparison in N fresh processes and prints each ratio's median over them with its range.
@@ -31,7 +31,7 @@ import torch
 from benchmarks import machine
 from benchmarks.cpu_inference import baseline_backends, held_mib
 from benchmarks.run import build_models, in_fresh_processes, inputs_for, print_ratio_medians, time_once
-from disentangled.modeling import disentangled_attention as backends
+from disentangled.modeling import modeling_disentangled, sdpa_attention
 
 
 def gradients(model, inputs) -> dict[str, torch.Tensor]:
@@ -45,16 +45,20 @@ def timings(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """{case: {model: median seconds per step}}, printed as a table per case."""
     with tempfile.TemporaryDirectory() as folder:
         models = build_models(args.layers, Path(folder), ["sdpa"] if args.no_eager else ["eager", "sdpa"], True)
-        baseline = baseline_backends(args.baseline, Path(folder)).sdpa_disentangled if args.baseline else None
+        baseline = (
+            baseline_backends(args.baseline, Path(folder), "sdpa_attention.py").sdpa_disentangled
+            if args.baseline
+            else None
+        )
     ours = models["ours-sdpa"]
     steps = dict(models)
     if baseline is not None:
         steps[f"ours-sdpa at {args.baseline}"] = ours
-    functions = backends.DISENTANGLED_ATTENTION_FUNCTIONS
+    functions = modeling_disentangled.DISENTANGLED_ATTENTION_FUNCTIONS
 
     def step(name: str, inputs) -> tuple[float, int]:
         """Seconds of one step of `name`, and the minor page faults it took (first touches of fresh memory)."""
-        functions["sdpa"] = baseline if name.startswith("ours-sdpa at") else backends.sdpa_disentangled
+        functions["sdpa"] = baseline if name.startswith("ours-sdpa at") else sdpa_attention.sdpa_disentangled
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         seconds = time_once(steps[name], inputs, True)
         return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
@@ -69,7 +73,7 @@ def timings(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                 expected = gradients(ours, inputs)
                 functions["sdpa"] = baseline
                 actual = gradients(ours, inputs)
-                functions["sdpa"] = backends.sdpa_disentangled
+                functions["sdpa"] = sdpa_attention.sdpa_disentangled
                 ours.train()
                 for name, grad in expected.items():
                     if not torch.allclose(actual[name], grad, rtol=1e-4, atol=1e-4 * grad.abs().max().item()):
@@ -94,7 +98,7 @@ def timings(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                 print(f"| {name} | {median * 1e3:.0f} ms | {median / bert:.2f} | {faults:.0f} |")
             print(f"\nBuffers ours-sdpa keeps between steps at {case}: {held_mib(ours):.0f} MiB")
     finally:
-        functions["sdpa"] = backends.sdpa_disentangled
+        functions["sdpa"] = sdpa_attention.sdpa_disentangled
     return medians
 
 

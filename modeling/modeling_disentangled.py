@@ -37,19 +37,20 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import ModelOutput
 
 from ..configuration.configuration_disentangled import DisentangledConfig
+
+# transformers 4.57 copies a local folder's remote code by the model file's own relative imports (not by theirs in
+# turn), so this file imports every sibling, cpu_inference.py (which only sdpa_attention.py uses) included.
+from .cpu_inference import CPU_FLASH_WITH_LSE  # noqa: F401
 from .disentangled_attention import (
-    DISENTANGLED_ATTENTION_FUNCTIONS,
-    FLEX_AVAILABLE,
     PositionScores,
     RelativePositions,
     dense_position_bias,
-    dropout_keep_mask,
     eager_disentangled,
     head_scaling,
-    kept_workspace,
-    release_workspace,
     warn_once,
 )
+from .flex_attention import FLEX_AVAILABLE, flex_disentangled
+from .sdpa_attention import dropout_keep_mask, sdpa_disentangled
 from .validation import (
     IGNORE_INDEX,
     input_shape,
@@ -59,6 +60,7 @@ from .validation import (
     validate_labels,
     validate_span_positions,
 )
+from .workspace import kept_workspace, release_workspace
 
 try:  # transformers 5: initialisers that leave weights loaded from a checkpoint alone
     from transformers import initialization as init
@@ -66,6 +68,12 @@ except ImportError:  # transformers 4.57
     from torch.nn import init
 
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+
+DISENTANGLED_ATTENTION_FUNCTIONS = {  # our backends; any other implementation gets one dense bias (`attend`)
+    "eager": eager_disentangled,
+    "sdpa": sdpa_disentangled,
+    "flex_attention": flex_disentangled,
+}
 
 
 class Dropout(nn.Dropout):
@@ -500,7 +508,7 @@ class DisentangledPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["DisentangledEmbeddings", "DisentangledLayer"]
     _supports_sdpa = True
-    _supports_flex_attn = True  # a model-local score_mod reads the position tables (disentangled_attention.py)
+    _supports_flex_attn = True  # a model-local score_mod reads the position tables (flex_attention.py)
     _supports_flash_attn = False  # flash kernels take no arbitrary additive bias, and the position terms are one
     _supports_attention_backend = True
     # The heads average their loss over the batch themselves and ignore `num_items_in_batch`; without this, Trainer

@@ -6,7 +6,7 @@ from contextlib import contextmanager
 
 import torch
 
-from disentangled.modeling import disentangled_attention
+from disentangled.modeling import modeling_disentangled
 
 
 @contextmanager
@@ -18,7 +18,7 @@ def eager_scores():
     function that softmaxes query rows in chunks has its chunks put back together. That input is the score
     after the model's mask: masked pairs hold finfo.min, every other pair the score itself.
     """
-    functions = disentangled_attention.DISENTANGLED_ATTENTION_FUNCTIONS
+    functions = modeling_disentangled.DISENTANGLED_ATTENTION_FUNCTIONS
     eager = functions["eager"]
     softmax = torch.softmax
     captured: list[torch.Tensor] = []

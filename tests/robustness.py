@@ -13,8 +13,8 @@ from parity import inflate_weights
 
 import disentangled
 from disentangled import DisentangledConfig
-from disentangled.modeling import disentangled_attention as attention_backends
-from disentangled.modeling.disentangled_attention import DISENTANGLED_ATTENTION_FUNCTIONS
+from disentangled.modeling import flex_attention as attention_backends
+from disentangled.modeling.modeling_disentangled import DISENTANGLED_ATTENTION_FUNCTIONS
 
 # Reproducible in CI: the same examples every run, no wall-clock deadline on a loaded 2-core machine.
 PROPERTY_SETTINGS = dict(

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from parity import check_parity, inflate_weights, max_abs_diff, padded_batch
 
 import disentangled
-from disentangled.modeling import disentangled_attention as backends
+from disentangled.modeling import cpu_inference, disentangled_attention, flex_attention, sdpa_attention, workspace
 
 TINY = dict(
     vocab_size=100,
@@ -62,9 +62,9 @@ def with_implementation(model, implementation: str):
 
 @pytest.fixture(autouse=True)
 def small_sdpa_blocks(monkeypatch):
-    monkeypatch.setattr(backends, "SDPA_BLOCK_ELEMENTS", 3 * 4 * 40 * 7)  # 7 query rows per block
-    monkeypatch.setattr(backends, "DISTANCE_BLOCK_ELEMENTS", 3 * 4 * 40 * 7)
-    monkeypatch.setattr(backends, "DISTANCE_MIN_ROWS", 1)
+    monkeypatch.setattr(sdpa_attention, "SDPA_BLOCK_ELEMENTS", 3 * 4 * 40 * 7)  # 7 query rows per block
+    monkeypatch.setattr(cpu_inference, "DISTANCE_BLOCK_ELEMENTS", 3 * 4 * 40 * 7)
+    monkeypatch.setattr(cpu_inference, "DISTANCE_MIN_ROWS", 1)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -75,7 +75,7 @@ def test_sdpa_matches_eager_outputs_and_gradients(variant):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_flex_score_mod_matches_eager(monkeypatch, variant):
-    monkeypatch.setattr(backends, "FLEX_COMPILED", False)
+    monkeypatch.setattr(flex_attention, "FLEX_COMPILED", False)
     reference = build("eager", **VARIANTS[variant])
     flex = with_implementation(reference, "flex_attention")
     batch = padded_batch(100, LENGTHS)
@@ -99,7 +99,7 @@ def test_compiled_flex_matches_eager():
 def test_flex_falls_back_to_sdpa_for_gradients_on_cpu():
     model = build("flex_attention")
     batch = padded_batch(100, LENGTHS)
-    backends._warned.clear()
+    disentangled_attention._warned.clear()
     with pytest.warns(UserWarning, match="flex_attention"):
         model(**batch).last_hidden_state.sum().backward()
 
@@ -107,7 +107,7 @@ def test_flex_falls_back_to_sdpa_for_gradients_on_cpu():
 def test_output_attentions_falls_back_to_eager_once():
     model = build("sdpa")
     batch = padded_batch(100, LENGTHS)
-    backends._warned.clear()
+    disentangled_attention._warned.clear()
     with pytest.warns(UserWarning, match="output_attentions"):
         output = model(**batch, output_attentions=True)
     assert len(output.attentions) == 2 and output.attentions[0].shape == (3, 4, 40, 40)
@@ -244,10 +244,10 @@ def test_sdpa_inference_by_distance_matches_eager_at_every_position(monkeypatch,
     lengths within and beyond the buckets' reach. With bands of 7 keys, a block reads several whole bands per
     view (two per add of 16 keys) and a partial last one."""
     if block_elements:
-        monkeypatch.setattr(backends, "DISTANCE_BLOCK_ELEMENTS", block_elements)
+        monkeypatch.setattr(cpu_inference, "DISTANCE_BLOCK_ELEMENTS", block_elements)
     if band_keys:
-        monkeypatch.setattr(backends, "BAND_TABLE_KEYS", band_keys)
-        monkeypatch.setattr(backends, "ADD_CHUNK_KEYS", 16)
+        monkeypatch.setattr(cpu_inference, "BAND_TABLE_KEYS", band_keys)
+        monkeypatch.setattr(cpu_inference, "ADD_CHUNK_KEYS", 16)
     reference = build("eager", **VARIANTS[variant])
     sdpa = with_implementation(reference, "sdpa")
     for lengths in ([40, 23, 31], [150, 97]):
@@ -296,7 +296,7 @@ def test_sdpa_inference_under_cpu_autocast_matches_eager(variant):
     assert max_abs_diff(actual, expected, batch["attention_mask"]) <= 6e-2 * max(1.0, expected.abs().max().item())
 
 
-@pytest.mark.skipif(not backends.CPU_FLASH_WITH_LSE, reason="the near/far split needs the CPU flash kernel's LSE")
+@pytest.mark.skipif(not cpu_inference.CPU_FLASH_WITH_LSE, reason="the near/far split needs the CPU flash kernel's LSE")
 @pytest.mark.parametrize("variant", ["v3", "clipped-distances", "p2c-only"])
 @pytest.mark.parametrize("block_elements", [None, 1 << 20])  # a sequence per group, or all three in one
 def test_sdpa_inference_leaves_keys_of_padding_only_out(monkeypatch, variant, block_elements):
@@ -305,7 +305,7 @@ def test_sdpa_inference_leaves_keys_of_padding_only_out(monkeypatch, variant, bl
     in 20 keys of padding; row 1 is also padded on the left beyond the reach (the far keys on the right start inside
     the padding); some blocks keep no key in their band and take only the far parts'."""
     if block_elements:
-        monkeypatch.setattr(backends, "DISTANCE_BLOCK_ELEMENTS", block_elements)
+        monkeypatch.setattr(cpu_inference, "DISTANCE_BLOCK_ELEMENTS", block_elements)
     reference = build("eager", **VARIANTS[variant])
     sdpa = with_implementation(reference, "sdpa")
     batch = padded_batch(100, [130, 20, 97])
@@ -325,12 +325,12 @@ def test_sdpa_inference_leaves_keys_of_padding_only_out(monkeypatch, variant, bl
         return call
 
     # a block with keys beyond the reach on either side runs the flash kernel itself (it needs the log-sum-exp)
-    monkeypatch.setattr(backends, "cpu_flash_attention", counting(backends.cpu_flash_attention))
-    monkeypatch.setattr(backends.F, "scaled_dot_product_attention", counting(F.scaled_dot_product_attention))
+    monkeypatch.setattr(cpu_inference, "cpu_flash_attention", counting(cpu_inference.cpu_flash_attention))
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counting(F.scaled_dot_product_attention))
     with torch.no_grad():
         actual = sdpa(**batch).last_hidden_state
         trimmed = sum(pairs)
-        monkeypatch.setattr(backends, "_unpadded_span", lambda mask, length: slice(0, length))
+        monkeypatch.setattr(cpu_inference, "_unpadded_span", lambda mask, length: slice(0, length))
         pairs.clear()
         whole = sdpa(**batch).last_hidden_state
     assert trimmed < sum(pairs)
@@ -338,18 +338,18 @@ def test_sdpa_inference_leaves_keys_of_padding_only_out(monkeypatch, variant, bl
         assert max_abs_diff(output, expected) <= 1e-5 * max(1.0, expected.abs().max().item())
 
 
-@pytest.mark.skipif(not backends.CPU_FLASH_WITH_LSE, reason="the near/far split needs the CPU flash kernel's LSE")
+@pytest.mark.skipif(not cpu_inference.CPU_FLASH_WITH_LSE, reason="the near/far split needs the CPU flash kernel's LSE")
 @pytest.mark.parametrize("padded", [False, True])
 def test_far_parts_hand_the_flash_kernel_masks_it_reads_in_place(monkeypatch, padded):
     """The CPU flash kernel copies a mask whose keys are strided into a whole [B, H, rows, keys] tensor (it was a
     fifth of the time at 1x2048): every bias the near/far split hands it has unit key stride. Outputs as eager."""
-    flash, masks = backends.cpu_flash_attention, []
+    flash, masks = cpu_inference.cpu_flash_attention, []
 
     def recording_flash(*args, attn_mask=None, **kwargs):
         masks.append(attn_mask)
         return flash(*args, attn_mask=attn_mask, **kwargs)
 
-    monkeypatch.setattr(backends, "cpu_flash_attention", recording_flash)
+    monkeypatch.setattr(cpu_inference, "cpu_flash_attention", recording_flash)
     reference = build("eager")
     sdpa = with_implementation(reference, "sdpa")
     batch = padded_batch(100, [150, 97] if padded else [150])
@@ -380,17 +380,17 @@ def test_kept_workspace_is_kept_between_calls_and_stays_exact(monkeypatch):
             inference_mode = torch.inference_mode() if index % 3 == 1 else contextlib.nullcontext()
             with inference_mode:  # buffers made in inference mode are replaced outside it
                 actual = sdpa(**batch).last_hidden_state
-            monkeypatch.setattr(backends, "KEEP_WORKSPACE", False)
+            monkeypatch.setattr(workspace, "KEEP_WORKSPACE", False)
             expected = fresh(**batch).last_hidden_state
-            monkeypatch.setattr(backends, "KEEP_WORKSPACE", True)
+            monkeypatch.setattr(workspace, "KEEP_WORKSPACE", True)
             assert torch.equal(actual, expected)
         assert max_abs_diff(actual, reference(**batch).last_hidden_state, batch["attention_mask"]) <= 1e-5 * max(
             1.0, expected.abs().max().item()
         )
-        held = backends.kept_workspace(sdpa.encoder)
-        assert "band table" in held and not backends.kept_workspace(fresh.encoder)
+        held = workspace.kept_workspace(sdpa.encoder)
+        assert "band table" in held and not workspace.kept_workspace(fresh.encoder)
         sdpa.release_workspace()
-        assert not backends.kept_workspace(sdpa.encoder)
+        assert not workspace.kept_workspace(sdpa.encoder)
 
 
 def test_training_workspace_is_kept_between_steps_and_stays_exact(monkeypatch):
@@ -404,7 +404,7 @@ def test_training_workspace_is_kept_between_steps_and_stays_exact(monkeypatch):
     batches = [padded_batch(100, [150, 97]), padded_batch(100, [40, 23, 31]), padded_batch(100, [120, 150, 3])]
 
     def gradients(model, steps, keep, threaded=False):
-        monkeypatch.setattr(backends, "KEEP_WORKSPACE", keep)
+        monkeypatch.setattr(workspace, "KEEP_WORKSPACE", keep)
         model.zero_grad(set_to_none=True)
         torch.manual_seed(7)
         losses = [model(**batch).last_hidden_state.square().mean() for batch in steps]
@@ -414,7 +414,7 @@ def test_training_workspace_is_kept_between_steps_and_stays_exact(monkeypatch):
             worker.join()
         else:
             sum(losses).backward()
-        monkeypatch.setattr(backends, "KEEP_WORKSPACE", True)
+        monkeypatch.setattr(workspace, "KEEP_WORKSPACE", True)
         return {
             name: parameter.grad.clone() for name, parameter in model.named_parameters() if parameter.grad is not None
         }
@@ -427,9 +427,9 @@ def test_training_workspace_is_kept_between_steps_and_stays_exact(monkeypatch):
         actual = gradients(sdpa, steps, keep=True, threaded=index == 3)
         expected = gradients(fresh, steps, keep=False)
         assert actual.keys() == expected.keys() and all(torch.equal(actual[name], expected[name]) for name in actual)
-    assert {"c2p", "p2c"} <= backends.kept_workspace(sdpa.encoder).keys()
+    assert {"c2p", "p2c"} <= workspace.kept_workspace(sdpa.encoder).keys()
     sdpa.release_workspace()
-    assert not backends.kept_workspace(sdpa.encoder)
+    assert not workspace.kept_workspace(sdpa.encoder)
 
 
 def test_kept_workspace_is_per_thread():
@@ -446,7 +446,7 @@ def test_kept_workspace_is_per_thread():
         with torch.no_grad():
             for _ in range(3):
                 results[index] = sdpa(**batches[index]).last_hidden_state
-        workspaces[index] = backends.kept_workspace(sdpa.encoder)
+        workspaces[index] = workspace.kept_workspace(sdpa.encoder)
 
     threads = [threading.Thread(target=serve, args=(index,)) for index in range(2)]
     for thread in threads:
@@ -459,7 +459,7 @@ def test_kept_workspace_is_per_thread():
 
 def blocked_attention_inputs(dtype=torch.float64, length=12, batch=2, heads=3, dim=4):
     """Inputs of `BlockedAttention`: keys already reversed, log buckets from |d| >= 4 on, one padded sequence."""
-    positions = backends.RelativePositions.build(length, 8, 8, 16, "cpu")
+    positions = disentangled_attention.RelativePositions.build(length, 8, 8, 16, "cpu")
     generator = torch.Generator().manual_seed(0)
 
     def tensor(*shape):
@@ -498,7 +498,7 @@ def test_blocked_attention_gradients_with_dropout(block_elements):
 
     def attention(*inputs):
         torch.manual_seed(1)
-        return backends.BlockedAttention.apply(*inputs, keep, positions, 0.3, 0.25, block_elements)
+        return sdpa_attention.BlockedAttention.apply(*inputs, keep, positions, 0.3, 0.25, block_elements)
 
     assert torch.autograd.gradcheck(attention, tuple(tensors), eps=1e-6, atol=1e-5)
 
@@ -508,13 +508,13 @@ def test_blocked_attention_matches_the_dense_formula():
     *tensors, keep, positions = blocked_attention_inputs(torch.float32, length=20)
     for dropout in (0.0, 0.2):
         torch.manual_seed(3)
-        actual = backends.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, 2 * 3 * 20 * 7)
+        actual = sdpa_attention.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, 2 * 3 * 20 * 7)
         dropout_keep = None
         if dropout:  # the same draws: one mask over the whole [B, H, L, L] when one block holds it all
             torch.manual_seed(3)
-            dropout_keep = backends.dropout_keep_mask((2, 3, 20, 20), dropout, "cpu")
+            dropout_keep = sdpa_attention.dropout_keep_mask((2, 3, 20, 20), dropout, "cpu")
             torch.manual_seed(3)
-            actual = backends.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, None)
+            actual = sdpa_attention.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, None)
         expected = reference_attention(*tensors, keep, positions, 0.3, dropout_keep, dropout)
         weights = torch.randn_like(expected)
         actual_grads = torch.autograd.grad((actual * weights).sum(), tensors)
@@ -530,16 +530,16 @@ def test_dropout_keep_mask_keeps_each_entry_with_the_keep_probability(dropout):
     the entries (within 5 standard deviations), two masks differ, and the seed reproduces one."""
     torch.manual_seed(0)
     shape = (3, 5, 257, 263)  # an odd entry count: the last draw is used in part
-    keep = backends.dropout_keep_mask(shape, dropout, "cpu")
+    keep = sdpa_attention.dropout_keep_mask(shape, dropout, "cpu")
     assert keep.shape == shape and keep.dtype == torch.bool
-    expected = round((1 - dropout) * 2**backends.DROPOUT_BITS) / 2**backends.DROPOUT_BITS
-    assert abs(expected - (1 - dropout)) <= 2**-backends.DROPOUT_BITS
+    expected = round((1 - dropout) * 2**sdpa_attention.DROPOUT_BITS) / 2**sdpa_attention.DROPOUT_BITS
+    assert abs(expected - (1 - dropout)) <= 2**-sdpa_attention.DROPOUT_BITS
     flat = keep.flatten()[: keep.numel() // 4 * 4].view(-1, 4).double()
     for fraction, count in [(keep.double().mean(), keep.numel())] + [(lane.mean(), len(lane)) for lane in flat.T]:
         assert abs(fraction - expected) <= 5 * math.sqrt(expected * (1 - expected) / count), (fraction, expected)
-    assert not torch.equal(keep, backends.dropout_keep_mask(shape, dropout, "cpu"))
+    assert not torch.equal(keep, sdpa_attention.dropout_keep_mask(shape, dropout, "cpu"))
     torch.manual_seed(0)
-    assert torch.equal(keep, backends.dropout_keep_mask(shape, dropout, "cpu"))
+    assert torch.equal(keep, sdpa_attention.dropout_keep_mask(shape, dropout, "cpu"))
 
 
 def test_model_dropout_on_the_cpu_drops_p_and_rescales_the_rest():
@@ -564,7 +564,7 @@ def test_blocked_attention_in_bfloat16_with_dropout():
     results = []
     for inputs in (tensors, low):
         torch.manual_seed(5)
-        context = backends.BlockedAttention.apply(*inputs, keep, positions, 0.3, 0.2, 2 * 3 * 20 * 7)
+        context = sdpa_attention.BlockedAttention.apply(*inputs, keep, positions, 0.3, 0.2, 2 * 3 * 20 * 7)
         grads = torch.autograd.grad(context.float().square().sum(), inputs)
         results.append((context, grads))
     (context, grads), (low_context, low_grads) = results

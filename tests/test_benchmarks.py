@@ -12,6 +12,7 @@ import re
 import pytest
 
 from benchmarks import machine, run
+from benchmarks.records import read_records
 
 
 def summary_rows(printed: str, processes: int, case: str) -> dict[str, tuple[tuple[float, float, float], ...]]:
@@ -31,7 +32,7 @@ def summary_rows(printed: str, processes: int, case: str) -> dict[str, tuple[tup
 
 
 def test_quick_benchmark_reports_every_case_and_model(tmp_path):
-    run.main(["--quick", "--layers", "1", "--repeats", "1", "--out", str(tmp_path)])
+    run.main(["--quick", "--layers", "1", "--repeats", "1", "--out", str(tmp_path), "--records", str(tmp_path)])
     report = json.loads((tmp_path / "benchmark-quick.json").read_text())
     cases = [row["case"] for row in report["inference"] + report["training"]]
     assert cases == ["infer 8x128 (1 layers)", "infer 2x512 (1 layers)", "train 2x128 (1 layers)"]
@@ -40,12 +41,29 @@ def test_quick_benchmark_reports_every_case_and_model(tmp_path):
         assert all(seconds > 0 for seconds in row["times"].values())
     assert "| infer 2x512 (1 layers) |" in report["markdown"]
     assert f"Processor: {report['processor']}" in report["markdown"]
+    (record,) = read_records("run", tmp_path)  # one record, in the schema the manual's tables are made from
+    figures = record["figures"]
+    assert {key: figures[key] for key in ("device", "dtype", "layers", "repeats", "processes")} == {
+        "device": "cpu",
+        "dtype": "float32",
+        "layers": 1,
+        "repeats": 1,
+        "processes": 1,
+    }
+    assert [case["case"] for case in figures["cases"]] == ["infer 8x128", "infer 2x512", "train 2x128"]
+    first = figures["cases"][0]
+    assert (first["mode"], first["batch"], first["length"], first["target"]) == ("infer", 8, 128, 1.10)
+    assert first["times"] == [report["inference"][0]["times"]] and figures["cases"][1]["target"] is None
+    ratio = first["times"][0]["ours-sdpa"] / first["times"][0]["bert-sdpa"]
+    assert first["ours_over_bert"] == {"median": ratio, "min": ratio, "max": ratio}
+    assert set(first["transformers_over_ours"]) == {"median", "min", "max"} and "memory" not in figures
 
 
 def test_benchmark_in_fresh_processes_prints_the_median_and_range_of_each_ratio(tmp_path, capsys):
     """--processes times the chosen cases in child processes and summarizes each ratio over them."""
     arguments = ["--quick", "--layers", "1", "--repeats", "1", "--no-eager", "--cases", "infer-8x128", "train-2x128"]
-    run.main([*arguments, "--processes", "2", "--out", str(tmp_path)])
+    arguments += ["--threads", "1"]
+    run.main([*arguments, "--processes", "2", "--out", str(tmp_path), "--records", str(tmp_path)])
     printed = capsys.readouterr().out
     summary = json.loads((tmp_path / "processes.json").read_text())
     assert len(summary["processes"]) == 2
@@ -59,6 +77,11 @@ def test_benchmark_in_fresh_processes_prints_the_median_and_range_of_each_ratio(
     assert all(re.fullmatch(r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)", cells[1]) for cells in rows)
     assert rows[0][3] == "1.10" and re.fullmatch(r"[0-2] of 2", rows[0][4])
     assert rows[1][3:] == ["-", "-"]  # 2x128 has no target
+    (record,) = read_records("run", tmp_path)  # the parent's record only, with each process's times
+    case = record["figures"]["cases"][0]
+    assert record["figures"]["processes"] == 2 and len(case["times"]) == 2 and record["threads"] == 1
+    ratios = [times["ours-sdpa"] / times["bert-sdpa"] for times in case["times"]]
+    assert case["ours_over_bert"]["min"] == min(ratios) and case["ours_over_bert"]["max"] == max(ratios)
     with pytest.raises(SystemExit, match="infer-3x3: not among"):
         run.main(["--quick", "--cases", "infer-3x3", "--out", str(tmp_path)])
 
@@ -82,9 +105,15 @@ def test_benchmark_memory_child_and_low_precision(tmp_path):
     """bfloat16 timings and one memory point (a capped subprocess) run and report."""
     run.main(
         ["--quick", "--layers", "1", "--repeats", "1", "--dtype", "bfloat16", "--no-eager", "--out", str(tmp_path)]
+        + ["--records", str(tmp_path)]
     )
     report = json.loads((tmp_path / "benchmark-quick.json").read_text())
-    assert "bfloat16" in report["machine"] and len(report["inference"]) == 2
+    assert "bfloat16" in report["machine"] and len(report["inference"]) == 2 and len(report["training"]) == 1
+    (record,) = read_records("run", tmp_path)
+    amx = "amx_bf16" in record["extensions"]  # bfloat16's targets with AMX, float32's without
+    assert record["figures"]["dtype"] == "bfloat16" and record["figures"]["cases"][0]["target"] == (
+        1.25 if amx else 1.10
+    )
     folder = tmp_path / "checkpoint"
     run.build_models(1, folder, [], False)
     result = run.memory_case("ours-sdpa", 256, 16.0, folder, 300.0, "cpu", "float32")
@@ -112,23 +141,23 @@ def test_device_check_passes_on_the_cpu_and_catches_a_wrong_term(monkeypatch, ca
     """The prepared accelerator check, run on the CPU (flex through its dense reference): it passes, and a
     backend that drops the p2c term fails it."""
     from benchmarks import device_check
-    from disentangled.modeling import disentangled_attention as backends
+    from disentangled.modeling import disentangled_attention, flex_attention, modeling_disentangled
 
-    monkeypatch.setattr(backends, "FLEX_COMPILED", False)
+    monkeypatch.setattr(flex_attention, "FLEX_COMPILED", False)
     with pytest.raises(SystemExit) as passed:
         device_check.main(["--device", "cpu", "--no-benchmark"])
     assert passed.value.code == 0 and capsys.readouterr().out.count(": ok") == 2
 
-    sdpa = backends.DISENTANGLED_ATTENTION_FUNCTIONS["sdpa"]
+    sdpa = modeling_disentangled.DISENTANGLED_ATTENTION_FUNCTIONS["sdpa"]
 
     def without_p2c(module, query, key, value, attention_mask, scaling, dropout=0.0, position_scores=None, **kwargs):
         if position_scores is not None:
-            position_scores = backends.PositionScores(
+            position_scores = disentangled_attention.PositionScores(
                 query, key, position_scores.pos_key, None, position_scores.p2p, position_scores.positions
             )
         return sdpa(module, query, key, value, attention_mask, scaling, dropout, position_scores, **kwargs)
 
-    monkeypatch.setitem(backends.DISENTANGLED_ATTENTION_FUNCTIONS, "sdpa", without_p2c)
+    monkeypatch.setitem(modeling_disentangled.DISENTANGLED_ATTENTION_FUNCTIONS, "sdpa", without_p2c)
     with pytest.raises(SystemExit) as failed:
         device_check.main(["--device", "cpu", "--no-benchmark"])
     assert failed.value.code == 1 and "FAIL" in capsys.readouterr().out
@@ -182,16 +211,15 @@ def test_cpu_inference_variants_run_and_restore_the_module_constants(capsys):
     """Every variant runs (and is checked equal to the model as it stands inside the command); the constants it
     changes are restored; the held buffers are reported."""
     from benchmarks import cpu_inference
-    from disentangled.modeling import disentangled_attention as backends
 
     names = ("KEEP_WORKSPACE", "ADD_CHUNK_KEYS", "BAND_TABLE_KEYS", "PRODUCT_COLUMNS_MULTIPLE", "_attend_by_distance")
-    before = {name: getattr(backends, name) for name in names}
+    before = {name: getattr(cpu_inference.HOMES[name], name) for name in names}
     arguments = ["--cases", "2x96", "--layers", "1", "--repeats", "1", "--held-lengths", "96", "--baseline", "HEAD"]
     cpu_inference.main(arguments)
     printed = capsys.readouterr().out
     assert all(f"| {variant} |" in printed for variant in [*cpu_inference.VARIANTS, "at-HEAD"])
     assert "| 96 |" in printed and " MiB |" in printed
-    assert before == {name: getattr(backends, name) for name in before}
+    assert before == {name: getattr(cpu_inference.HOMES[name], name) for name in before}
 
 
 def test_cpu_inference_products_print_both_layouts_for_each_shape(capsys):
@@ -233,7 +261,7 @@ def test_train_step_times_the_baseline_and_restores_the_sdpa_function(capsys):
     """--baseline times the sdpa path of a git revision beside the model as it stands, after checking that their
     gradients agree; the registered sdpa function is the current one afterwards."""
     from benchmarks import train_step
-    from disentangled.modeling import disentangled_attention as backends
+    from disentangled.modeling import modeling_disentangled, sdpa_attention
 
     train_step.main(["--cases", "2x48", "--layers", "1", "--repeats", "1", "--no-eager", "--baseline", "HEAD"])
     printed = capsys.readouterr().out
@@ -241,7 +269,7 @@ def test_train_step_times_the_baseline_and_restores_the_sdpa_function(capsys):
     assert rows == ["| ours-sdpa", "| transformers-deberta", "| bert-sdpa", "| ours-sdpa at HEAD"]
     assert re.search(r"Buffers ours-sdpa keeps between steps at 2x48: \d+ MiB", printed)
     assert "| page faults per step |" in printed
-    assert backends.DISENTANGLED_ATTENTION_FUNCTIONS["sdpa"] is backends.sdpa_disentangled
+    assert modeling_disentangled.DISENTANGLED_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention.sdpa_disentangled
 
 
 def test_train_step_refuses_a_baseline_whose_gradients_differ(monkeypatch):
@@ -249,20 +277,22 @@ def test_train_step_refuses_a_baseline_whose_gradients_differ(monkeypatch):
     import types
 
     from benchmarks import train_step
-    from disentangled.modeling import disentangled_attention as backends
+    from disentangled.modeling import disentangled_attention, modeling_disentangled, sdpa_attention
 
     def without_p2c(module, query, key, value, attention_mask, scaling, dropout=0.0, position_scores=None, **kwargs):
-        position_scores = backends.PositionScores(
+        position_scores = disentangled_attention.PositionScores(
             position_scores.query, position_scores.key, position_scores.pos_key, None, None, position_scores.positions
         )
-        return backends.sdpa_disentangled(module, query, key, value, attention_mask, scaling, dropout, position_scores)
+        return sdpa_attention.sdpa_disentangled(
+            module, query, key, value, attention_mask, scaling, dropout, position_scores
+        )
 
     monkeypatch.setattr(
         train_step, "baseline_backends", lambda *_: types.SimpleNamespace(sdpa_disentangled=without_p2c)
     )
     with pytest.raises(SystemExit, match="gradient of .* differs at 2x48"):
         train_step.main(["--cases", "2x48", "--layers", "1", "--repeats", "1", "--no-eager", "--baseline", "HEAD"])
-    assert backends.DISENTANGLED_ATTENTION_FUNCTIONS["sdpa"] is backends.sdpa_disentangled
+    assert modeling_disentangled.DISENTANGLED_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention.sdpa_disentangled
 
 
 def test_train_step_in_fresh_processes_prints_the_median_and_range_of_each_ratio(capsys):

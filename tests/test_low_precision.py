@@ -101,7 +101,7 @@ def test_the_naive_product_overflows_float16():
     scaling = (64 * 3) ** -0.5
     assert torch.isinf((query @ key.mT) * scaling).all()
     assert torch.isfinite((query * scaling) @ key.mT).all()
-    for backend, attend in disentangled.modeling.disentangled_attention.DISENTANGLED_ATTENTION_FUNCTIONS.items():
+    for backend, attend in disentangled.modeling.modeling_disentangled.DISENTANGLED_ATTENTION_FUNCTIONS.items():
         context, _ = attend(None, query, key, query, None, scaling=scaling)
         assert torch.isfinite(context).all(), backend
 

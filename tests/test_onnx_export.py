@@ -10,7 +10,7 @@ from robustness import skip_unless_supported
 
 import disentangled
 from disentangled import DisentangledConfig, cli, onnx_export
-from disentangled.modeling.disentangled_attention import DISENTANGLED_ATTENTION_FUNCTIONS
+from disentangled.modeling.modeling_disentangled import DISENTANGLED_ATTENTION_FUNCTIONS
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")

@@ -42,7 +42,7 @@ from .modeling import (
     DisentangledForTokenClassification,
     DisentangledModel,
 )
-from .modeling.disentangled_attention import DISENTANGLED_ATTENTION_FUNCTIONS
+from .modeling.modeling_disentangled import DISENTANGLED_ATTENTION_FUNCTIONS
 
 # task -> (class, output names)
 TASKS = {

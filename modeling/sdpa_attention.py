@@ -1,0 +1,337 @@
+"""The sdpa backend: `torch.nn.functional.scaled_dot_product_attention` with the position terms (and the mask) as
+an additive bias, built one block of query rows at a time; and CPU training's own autograd function.
+
+CPU inference (no gradients, no dropout, no p2p) goes by distance (`cpu_inference.py`). Elsewhere (training,
+accelerators, p2p) the keys go in reverse order (j' = L - 1 - j), so that i - j + L - 1 = i + j' and the index of a
+block is a stride-(1, 1) view of the [2L - 1] column vector (a Hankel matrix) that the gathers read in order. CPU
+training, where SDPA would run its math path with a bias gradient, runs `BlockedAttention`: the same blocks, each
+making its own c2p table (and each group of sequences its p2c table), with a backward that scatters dS into those
+tables and from there into q, k, Kr and Qr.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from .cpu_inference import _attend_by_distance
+from .disentangled_attention import (
+    PositionScores,
+    RelativePositions,
+    _block_mask,
+    _by_head,
+    _masked_scores,
+    p2c_by_row,
+    position_table,
+)
+from .validation import is_tracing
+from .workspace import _scratch
+
+# Bias elements per query block on the CPU (8 MiB in float32): bounded; the fastest of 2^18 ... 2^22 at 8x128 to 1x4096
+SDPA_BLOCK_ELEMENTS = 1 << 21
+# On an accelerator the block is bounded too, but large enough that a batch takes a few kernel launches, not
+# hundreds (256 MiB in float32).
+SDPA_BLOCK_ELEMENTS_ACCELERATOR = 1 << 26
+
+
+def sdpa_disentangled(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    position_scores: PositionScores | None = None,
+    block_elements: int | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """`scaled_dot_product_attention` with the position terms (and the mask) as an additive float bias.
+
+    The bias exists one block of query rows at a time ([B, H, rows, L], at most `block_elements`); the keys
+    go in reverse order so that the block's index is a view (see `_block_bias`).
+    Attention is invariant to the order of the keys, so the result is unchanged.
+    """
+    batch, heads, length, _ = query.shape
+    on_cpu = query.device.type == "cpu"
+    if position_scores is None or is_tracing():  # one dense bias: a graph compile and export can follow
+        bias = position_scores.bias().to(query.dtype) if position_scores is not None else None
+        if attention_mask is not None:  # finfo.min, not -inf: a fully masked row is uniform, as in eager
+            bias = torch.zeros((), dtype=query.dtype, device=query.device) if bias is None else bias
+            bias = _masked_scores(bias.expand(*bias.shape[:2], length, key.shape[-2]), attention_mask)
+        context = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling)
+        context = context.transpose(1, 2)  # [B, L, H, D]
+        if is_tracing():  # torch.export's decomposition of sdpa yields other strides than it traced
+            context = context.clone(memory_format=torch.contiguous_format)
+        return context, None
+
+    tensors = (query, key, value, position_scores.pos_key, position_scores.pos_query)
+    inference = not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+    if on_cpu and inference and dropout == 0 and position_scores.p2p is None:
+        context = _attend_by_distance(position_scores, query, key, value, attention_mask, scaling, block_elements)
+        return context, None
+    block_elements = block_elements or (SDPA_BLOCK_ELEMENTS if on_cpu else SDPA_BLOCK_ELEMENTS_ACCELERATOR)
+    key, value = key.flip(-2), value.flip(-2)  # j' = L - 1 - j
+    mask = attention_mask.flip(-1) if attention_mask is not None else None
+    positions = position_scores.positions
+    if not inference and on_cpu and position_scores.p2p is None:  # CPU training: the tables made block by block
+        pos_key, pos_query = position_scores.pos_key, position_scores.pos_query
+        context = BlockedAttention.apply(
+            query, key, value, pos_key, pos_query, mask, positions, scaling, dropout, block_elements
+        )
+        return context, None
+    context = _attend_in_blocks(position_scores, query, key, value, mask, scaling, dropout, block_elements, inference)
+    return context, None
+
+
+def _tiles(query: Tensor, block_elements: int) -> list[tuple[slice, int, int]]:
+    """(sequences, first row, last row) of each block for `_attend_in_blocks` and `BlockedAttention`.
+
+    A block holds at most `block_elements` scores. On the CPU it covers a cache-sized group of sequences
+    (one, when L is large); an accelerator takes the whole batch at once.
+    """
+    batch, heads, length, _ = query.shape
+    group = batch if query.device.type != "cpu" else max(1, min(batch, block_elements // (heads * length * length)))
+    rows = max(1, min(length, block_elements // (group * heads * length)))
+    return [
+        (slice(start, min(start + group, batch)), first, min(first + rows, length))
+        for start in range(0, batch, group)
+        for first in range(0, length, rows)
+    ]
+
+
+def _block_bias(
+    positions: RelativePositions,
+    c2p_rows: Tensor | None,
+    p2c_rows: Tensor | None,
+    p2p: Tensor | None,
+    first: int,
+    last: int,
+    batch_heads: tuple[int, int],
+    keys: slice | None = None,
+) -> Tensor:
+    """The position terms of query rows [first, last) against reversed keys `keys` (all by default), summed in
+    place: [g, H, n, len(keys)].
+
+    `c2p_rows` is c2p of those rows ([g, H, n, W]); `p2c_rows` the p2c table of the reversed keys read by
+    table row ([g, H, W, L], `p2c_by_row`). Both read column[i + j'], a Hankel view of the by-distance column (no index tensor is built).
+    """
+    keys = keys if keys is not None else slice(0, positions.length)
+    width = keys.stop - keys.start
+    index = positions.hankel(first + keys.start, last - first, width).expand(*batch_heads, last - first, width)
+    bias = c2p_rows.gather(-1, index) if c2p_rows is not None else None  # c2p: q_i . Kr[δ(i,j)]
+    if p2c_rows is not None:  # p2c: k_j . Qr[δ(i,j)]
+        p2c = p2c_rows[..., keys].gather(-2, index)
+        bias = p2c if bias is None else bias.add_(p2c)
+    if p2p is not None:  # Qr[δ(i,j)] . Kr[δ(j,i)], by distance: index first + a + b, a view as well
+        offset = p2p.storage_offset() + first + keys.start
+        p2p = p2p.as_strided((p2p.shape[0], last - first, width), (p2p.stride(0), 1, 1), offset)
+        bias = bias.add_(p2p) if bias is not None else p2p.expand_as(index).clone()
+    return bias
+
+
+def _attend_in_blocks(
+    position_scores: PositionScores,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None,
+    scaling: float,
+    dropout: float,
+    block_elements: int,
+    inference: bool,
+) -> Tensor:
+    """SDPA one block of query rows at a time, keys reversed. Returns [B, L, H, D].
+
+    In inference the tables are built as they are needed and nothing [B, H, L, W] is kept: p2c for one group
+    of sequences, c2p for one block of rows, so on the CPU (one sequence per group when L is large) tables
+    and bias stay in cache. With gradients (training off the CPU, or with p2p) the whole tables are built
+    once and each block's bias is gathered from them, so that autograd sees one table per term.
+    """
+    batch, heads, length, dim = query.shape
+    positions, pos_key, pos_query = position_scores.positions, position_scores.pos_key, position_scores.pos_query
+    if not inference:
+        c2p, p2c = position_scores.c2p, p2c_by_row(key, pos_query)
+    context = query.new_empty(batch, length, heads, dim)
+    group = group_p2c = None
+    for sequences, first, last in _tiles(query, block_elements):
+        if not inference:
+            c2p_rows = c2p[sequences, :, first:last] if c2p is not None else None
+            group_p2c = p2c[sequences] if p2c is not None else None
+        else:
+            if pos_query is not None and sequences != group:  # p2c of this group's reversed keys: k_j' . Qr[r]
+                group_p2c, group = p2c_by_row(key[sequences], pos_query), sequences
+            c2p_rows = position_table(query[sequences, :, first:last], pos_key)  # c2p of these rows: q_i . Kr[r]
+        group_heads = (sequences.stop - sequences.start, heads)
+        bias = _block_bias(positions, c2p_rows, group_p2c, position_scores.p2p, first, last, group_heads)
+        bias = bias.to(query.dtype)
+        if mask is not None:
+            bias.masked_fill_(~_block_mask(mask, sequences, first, last), torch.finfo(query.dtype).min)
+        attended = F.scaled_dot_product_attention(
+            query[sequences, :, first:last],
+            key[sequences],
+            value[sequences],
+            attn_mask=bias,
+            dropout_p=dropout,
+            scale=scaling,
+        )
+        context[sequences, first:last] = attended.transpose(1, 2)
+    return context
+
+
+class BlockedAttention(torch.autograd.Function):
+    """softmax(c2c + c2p + p2c, masked), dropout, @ v: one block of query rows at a time, with its own backward.
+
+    For training on the CPU, where SDPA with a bias that needs a gradient runs its math path. Inputs: query,
+    reversed key and value [B, H, L, D], the projected relative rows Kr and Qr [H, W, D] (either may be None), a
+    reversed bool mask [B, 1, 1 | L, L] or None. Returns the context [B, L, H, D].
+
+    The position tables exist only where a block reads them, in buffers of the workspace: c2p of the block's rows
+    (q_i . Kr[r]) and p2c of its group's reversed keys (k_j' . Qr[r]), each one product per head. The forward keeps
+    each block's probabilities (and dropout mask), as eager and SDPA's math path keep the whole [B, H, L, L]; q . k
+    is added to the gathered position terms by the product itself (`baddbmm_`). The backward sends
+    dS = P * (dP - rowsum(dO * O)) into the same two tables' buffers with `scatter_add_`, along the Hankel views the
+    forward gathered with, and from there into q and Kr (for each block) and k and Qr (for each group), so no
+    other [B, H, L, L] tensor and no whole [B, H, L, W] table is made. The workspace is kept between calls (on the
+    forward's thread), so a step does not fault in fresh pages for tables that the last step also wrote.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, pos_key, pos_query, mask, positions, scaling, dropout, block_elements=None):
+        batch, heads, length, dim = query.shape
+        tiles = _tiles(query, block_elements or SDPA_BLOCK_ELEMENTS)
+        probs, keeps = [], []  # per block: P, and where dropout keeps it
+        context = query.new_empty(batch, length, heads, dim)
+        # in the query's dtype: under autocast the relative rows may be float32
+        kr, qr = (rows.to(query.dtype) if rows is not None else None for rows in (pos_key, pos_query))
+        group, p2c_rows = None, None
+        with torch.autocast(query.device.type, enabled=False):  # the inputs already carry autocast's dtype
+            scaled_query = query * scaling  # scaled before q . k, as in eager: q . k itself can overflow float16
+            for sequences, first, last in tiles:
+                rows = slice(first, last)
+                if qr is not None and sequences != group:  # p2c of this group's reversed keys, read by table row
+                    p2c_rows = _position_rows(positions, "p2c", key[sequences], qr).mT
+                    group = sequences
+                c2p_rows = _position_rows(positions, "c2p", query[sequences, :, rows], kr) if kr is not None else None
+                group_heads = (sequences.stop - sequences.start, heads)
+                scores = _block_bias(positions, c2p_rows, p2c_rows, None, first, last, group_heads)  # c2p + p2c
+                scores.view(-1, *scores.shape[-2:]).baddbmm_(  # + c2c: q_i . k_j (the bias is fresh, contiguous)
+                    _by_batch_head(scaled_query[sequences, :, rows]), _by_batch_head(key[sequences]).mT
+                )
+                if mask is not None:
+                    scores.masked_fill_(~_block_mask(mask, sequences, first, last), torch.finfo(scores.dtype).min)
+                block_probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+                block_probs = block_probs.to(query.dtype)
+                probs.append(block_probs)
+                if dropout > 0:
+                    block_keep = dropout_keep_mask(block_probs.shape, dropout, block_probs.device)
+                    keeps.append(block_keep)
+                    block_probs = block_probs * block_keep  # a bool factor: cheaper than a `where` on the CPU
+                attended = block_probs @ value[sequences]
+                if dropout > 0:  # 1 / (1 - p) on the [n, D] product rather than on the [n, L] probabilities
+                    attended.mul_(1 / (1 - dropout))
+                context[sequences, rows] = attended.transpose(1, 2)
+        ctx.save_for_backward(query, key, value, kr, qr, context, *probs, *keeps)
+        ctx.tiles, ctx.positions, ctx.scaling, ctx.dropout = tiles, positions, scaling, dropout
+        ctx.thread = threading.get_ident()
+        ctx.relative_dtypes = tuple(rows.dtype if rows is not None else None for rows in (pos_key, pos_query))
+        return context
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_context):
+        query, key, value, kr, qr, context, *blocks = ctx.saved_tensors
+        tiles, scaling, dropout, positions = ctx.tiles, ctx.scaling, ctx.dropout, ctx.positions
+        if ctx.thread != threading.get_ident():  # the workspace is the forward thread's: take fresh buffers
+            positions = replace(positions, workspace={})
+        probs, keeps = blocks[: len(tiles)], blocks[len(tiles) :] or [None] * len(tiles)
+        grad_query, grad_key, grad_value = torch.empty_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        # contiguous (the rows are a permuted view of the projection): a product into it runs as one batched call
+        grad_kr, grad_qr = (rows.new_zeros(rows.shape) if rows is not None else None for rows in (kr, qr))
+        delta = (grad_context * context).sum(-1).transpose(1, 2)  # [B, H, L]: rowsum(dO * O) = rowsum(P * dP)
+        group = grad_p2c = None
+        for (sequences, first, last), block_probs, block_keep in zip(tiles, probs, keeps):
+            rows = slice(first, last)
+            if qr is not None and sequences != group:  # the p2c table's gradient, one group of sequences at a time
+                if group is not None:
+                    _position_rows_backward(grad_p2c, key[group], qr, grad_key[group], grad_qr)
+                grad_p2c = _position_rows(positions, "p2c", key[sequences], qr, zeroed=True)
+                group = sequences
+            grad_out = grad_context[sequences, rows].transpose(1, 2)  # dO [g, H, n, D]
+            dropped = block_probs  # what multiplied v, but for 1 / (1 - p)
+            if block_keep is not None:
+                grad_out = grad_out * (1 / (1 - dropout))  # [n, D], not [n, L]
+                dropped = block_probs * block_keep
+            grad_probs = grad_out @ value[sequences].mT  # dP
+            if block_keep is not None:
+                grad_probs.mul_(block_keep)
+            grad_value[sequences] += dropped.mT @ grad_out
+            grad_scores = grad_probs.sub_(delta[sequences, :, rows, None]).mul_(block_probs)  # dS, softmax's backward
+            block_query = query[sequences, :, rows]
+            grad_query[sequences, :, rows] = (grad_scores @ key[sequences]) * scaling
+            grad_key[sequences].add_(grad_scores.mT @ block_query, alpha=scaling)
+            index = positions.hankel(first, last - first, positions.length).expand_as(grad_scores)
+            if kr is not None:  # c2p[i, column[i + j']] received dS[i, j'], and passes it on to q_i and Kr
+                grad_c2p = _position_rows(positions, "c2p", block_query, kr, zeroed=True)
+                grad_c2p.scatter_add_(-1, index, grad_scores)
+                _position_rows_backward(grad_c2p, block_query, kr, grad_query[sequences, :, rows], grad_kr)
+            if qr is not None:  # p2c[j', column[i + j']] received dS[i, j']
+                grad_p2c.mT.scatter_add_(-2, index, grad_scores)
+        if group is not None:
+            _position_rows_backward(grad_p2c, key[group], qr, grad_key[group], grad_qr)
+        grad_pos_key, grad_pos_query = (
+            grad.to(dtype) if grad is not None else None for grad, dtype in zip((grad_kr, grad_qr), ctx.relative_dtypes)
+        )
+        return grad_query, grad_key, grad_value, grad_pos_key, grad_pos_query, None, None, None, None, None
+
+
+def _position_rows(positions: RelativePositions, kind: str, content: Tensor, relative: Tensor, zeroed=False) -> Tensor:
+    """content [g, H, n, D] against relative rows [H, W, D]: the table [g, H, n, W] in the workspace's `kind` buffer
+    (laid out [H, g, n, W]: one product per head), or, `zeroed`, a zeroed buffer of that shape for its gradient."""
+    groups, heads, count, _ = content.shape
+    table = _scratch(positions, kind, (heads, groups * count, relative.shape[-2]), content)
+    if zeroed:
+        table.zero_()
+    else:
+        _by_head(content, relative, out=table)
+    return table.view(heads, groups, count, -1).transpose(0, 1)
+
+
+def _position_rows_backward(
+    grad_table: Tensor, content: Tensor, relative: Tensor, grad_content: Tensor, grad_relative: Tensor
+) -> None:
+    """The gradient of a `_position_rows` table [g, H, n, W]: dcontent = dT R is added to `grad_content`
+    [g, H, n, D] and drelative = dTᵀ content to `grad_relative` [H, W, D], one product per head."""
+    groups, heads, count, dim = content.shape
+    flat_grad = grad_table.transpose(0, 1).reshape(heads, groups * count, -1)  # a view of the [H, g * n, W] buffer
+    flat_content = content.transpose(0, 1).reshape(heads, groups * count, dim)  # a view when g = 1
+    grad_content += torch.bmm(flat_grad, relative).view(heads, groups, count, dim).transpose(0, 1)
+    grad_relative.baddbmm_(flat_grad.mT, flat_content)
+
+
+DROPOUT_BITS = 15  # random bits per dropout decision (`dropout_keep_mask`)
+
+
+def dropout_keep_mask(shape: tuple[int, ...], dropout: float, device) -> Tensor:
+    """A bool mask of `shape`, each entry True with probability 1 - dropout, independently.
+
+    Each entry compares 15 random bits with round((1 - dropout) * 2^15), and one 64-bit draw gives four entries:
+    PyTorch's CPU generator costs the same per element whatever the element's width (`torch.rand` and
+    `bernoulli_` draw one float per entry, and were the largest single cost of a CPU training step at 512
+    tokens). The keep probability is thus rounded to a multiple of 2^-15 (0.9 becomes 0.899994); PyTorch's
+    CUDA flash attention rounds it to a multiple of 1/255.
+    """
+    count = math.prod(shape)
+    words = torch.empty(-(-count // 4), dtype=torch.int64, device=device).random_()  # 63 random bits each
+    lanes = words.view(torch.int16)[:count].bitwise_and_((1 << DROPOUT_BITS) - 1)  # 15 bits per lane
+    return (lanes < round((1 - dropout) * (1 << DROPOUT_BITS))).view(shape)
+
+
+def _by_batch_head(tensor: Tensor) -> Tensor:
+    """[g, H, n, m] as [g * H, n, m] for a batched product (a view where the layout allows, else a copy)."""
+    return tensor.reshape(-1, *tensor.shape[-2:])

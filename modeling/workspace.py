@@ -1,0 +1,60 @@
+"""The buffers that the blocked sdpa paths (CPU inference and CPU training) reuse: per thread and module.
+
+A tensor above glibc's mmap threshold is fresh memory on every allocation, whose pages fault on first touch, so
+the blocks, layers and later calls of a module take their scratch tensors from one workspace that only grows
+(`RelativePositions.workspace`; the encoder passes `kept_workspace(encoder)`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+
+import torch
+from torch import Tensor
+
+from .disentangled_attention import RelativePositions
+
+_workspaces = threading.local()  # per thread: {module: workspace}, weakly keyed (freed with the module)
+KEEP_WORKSPACE = True  # False: every forward allocates its own buffers (tests, A/B timing)
+
+
+def kept_workspace(module: torch.nn.Module) -> dict | None:
+    """The buffers `module`'s forwards share on this thread (see `RelativePositions.workspace`).
+
+    Kept between calls, as a caching allocator would keep them, so that a forward does not fault in fresh pages
+    each time: in inference three block buffers, T, U's bands and the bias; in training a block's c2p table and a
+    group's p2c table, which the backward reuses for their gradients; each as large as the largest block has
+    needed (`benchmarks.cpu_inference` times fresh ones and prints what is held after a call). Every use is
+    within one call of a forward or a backward, never across them. Per thread, so that threads serving one model
+    never share a buffer; `release_workspace(model)` frees them."""
+    if not KEEP_WORKSPACE:
+        return None
+    held = getattr(_workspaces, "by_module", None)
+    if held is None:
+        held = _workspaces.by_module = weakref.WeakKeyDictionary()
+    return held.setdefault(module, {})
+
+
+def release_workspace(model: torch.nn.Module) -> None:
+    """Free the buffers that `model` (or any of its modules) keeps on this thread."""
+    held = getattr(_workspaces, "by_module", None)
+    for module in model.modules() if held is not None else ():
+        held.pop(module, None)
+
+
+def _scratch(positions: RelativePositions, kind: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """A contiguous tensor of `shape` from a buffer of the workspace that only grows (a fresh allocation above
+    glibc's mmap threshold costs page faults on every call; blocks, layers and later calls reuse this one)."""
+    count = math.prod(shape)
+    buffer = positions.workspace.get(kind)
+    if (
+        buffer is None
+        or buffer.numel() < count
+        or (buffer.dtype, buffer.device) != (like.dtype, like.device)
+        or (buffer.is_inference() and not torch.is_inference_mode_enabled())  # no in-place writes outside it
+    ):
+        buffer = positions.workspace[kind] = like.new_empty(count)
+        positions.workspace.pop(f"{kind} layout", None)  # what was written into the old buffer is not in this one
+    return buffer[:count].view(shape)
