@@ -168,11 +168,16 @@ def performance_section(runs: list[dict], memories: list[dict], int8s: list[dict
     return "\n".join(lines)
 
 
+def column_label(record: dict) -> str:
+    """'Intel Xeon, bfloat16, 2 threads': what a column of the README's table was measured on."""
+    threads = f"{record['threads']} thread{'s' if record['threads'] != 1 else ''}"
+    return f"{short_processor(record['processor'])}, {record['figures']['dtype']}, {threads}"
+
+
 def readme_section(runs: list[dict]) -> str:
     cases = [case["case"] for case in runs[0]["figures"]["cases"]] if runs else []
     header = "| case | " + " | ".join(
-        f"{short_processor(record['processor'])}: time of ours / BERT-sdpa | speed-up over transformers' DeBERTa"
-        for record in runs
+        f"{column_label(record)}: time of ours / BERT-sdpa | speed-up over transformers' DeBERTa" for record in runs
     )
     lines = [header + " |", "|---" * (2 * len(runs) + 1) + "|"]
     for label in cases:
@@ -184,14 +189,19 @@ def readme_section(runs: list[dict]) -> str:
                 f"{case['transformers_over_ours']['median']:.2f}x" if case else "-",
             ]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    notes = "; ".join(f"{short_processor(record['processor'])}: {' '.join(record['extensions'])}" for record in runs)
     if runs:
-        figures = runs[0]["figures"]
+        measured = "; ".join(
+            f"{column_label(record)}: {record['figures']['layers']} layers, median over "
+            f"{record['figures']['processes']} processes"
+            for record in runs
+        )
+        extensions = "; ".join(
+            sorted({f"{short_processor(record['processor'])}: {' '.join(record['extensions'])}" for record in runs})
+        )
         lines += [
             "",
-            f"Time ratios, {figures['dtype']} on 2 CPU threads, DeBERTa-v3-base shape ({figures['layers']} layers), "
-            f"median over {figures['processes']} processes (vector extensions: {notes}). BERT-sdpa is a same-size "
-            "BERT without position terms: the floor.",
+            f"Time ratios, DeBERTa-v3-base shape ({measured}; vector extensions: {extensions}). BERT-sdpa is a "
+            "same-size BERT without position terms, in the same dtype: the floor.",
         ]
     return "\n".join(lines)
 
@@ -204,7 +214,7 @@ def figure_data(runs: list[dict], memories: list[dict], int8s: list[dict]) -> di
     """Per figure, exactly the numbers it draws (its digest goes into the PNG)."""
     return {
         "speed.png": {
-            short_processor(r["processor"]): [
+            column_label(r): [
                 (c["case"], c["ours_over_bert"]["median"], c["transformers_over_ours"]["median"], c["target"])
                 for c in r["figures"]["cases"]
             ]
