@@ -422,3 +422,31 @@ def test_command_names_what_is_wrong_with_a_texts_file(tmp_path, spm_model, caps
     (tmp_path / "rows.jsonl").write_text('{"body": "a text"}\n')
     assert main(["explain", str(folder), *arguments, "--no-plots"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_explain_terms_benchmark_runs_on_tiny_settings(tmp_path, monkeypatch):
+    """benchmarks/explain_terms.py, as docs/explain.md runs it, on the tests' corpus (reading the standard library's
+    docstrings takes longer than the rest) and one pretraining step."""
+    from spm_fixture import corpus_lines
+
+    from benchmarks import explain_terms
+    from benchmarks.records import read_records
+
+    lines = [{"text": line} for line in corpus_lines(400)]
+    monkeypatch.setattr(explain_terms, "python_docs_split", lambda: (lines[:300], lines[300:]))
+    run = explain_terms.run
+
+    out, records = tmp_path / "figures", tmp_path / "records"
+    tiny = ["--max-steps", "1", "--vocab-size", "120", "--max-texts", "4"]
+    figures = run([*tiny, "--untrained-seeds", "0", "1", "--out", str(out), "--records", str(records)])
+    assert read_records("explain_terms", folder=records)[-1]["figures"] == figures
+    for name in ("pretrained", "untrained", "untrained-1"):
+        layers = figures[name]["layers"]
+        assert figures[name]["texts"] == 4 and len(layers) == 4
+        assert sum(stats["share"] for stats in layers[0]["terms"].values()) == pytest.approx(1.0, abs=1e-3)
+        assert set(layers[0]["profile"]["c2p"]) >= {"-1", "0", "1"}
+    assert figures["pretraining"]["held_out_masked_accuracy"] is not None
+    for name in ("pretrained/term_shares.png", "untrained/distance_profile.png", "compare_distance.png"):
+        assert (out / name).read_bytes().startswith(PNG), name
+    statistics = json.loads((out / "pretrained" / "statistics.json").read_text())
+    assert statistics["model"] == "pretrained" and str(tmp_path) not in json.dumps(statistics)
