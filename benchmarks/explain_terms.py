@@ -156,6 +156,42 @@ def plot_comparison(results: dict[str, dict], path: Path, reach: int = 16) -> Pa
     return path
 
 
+def markdown_tables(record: dict) -> str:
+    """The page's two tables from a record: the statistics of each term, pretrained against untrained (seed range),
+    and the mean of each term at the distances near 0."""
+    figures = record["figures"]
+    untrained = [figures[name] for name in figures if name.startswith("untrained") and name != "untrained_seeds"]
+    lines = [
+        "| layer | term | mean \\|s\\| | std | share | in rows | untrained mean \\|s\\| | untrained std "
+        "| untrained share (seeds) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for index, layer in enumerate(figures["pretrained"]["layers"]):
+        for term, stats in [*layer["terms"].items(), ("total", layer["total"])]:
+            cells = [f"{stats['mean_abs']:.3f}", f"{stats['std']:.3f}"]
+            cells += [f"{100 * stats[k]:.0f}%" for k in ("share", "row_share")] if term != "total" else ["", ""]
+            base = untrained[0]["layers"][index]
+            other = base["total"] if term == "total" else base["terms"][term]
+            cells += [f"{other['mean_abs']:.4f}", f"{other['std']:.4f}"]
+            if term != "total":
+                shares = [100 * run["layers"][index]["terms"][term]["share"] for run in untrained]
+                cells.append(f"{min(shares):.0f}-{max(shares):.0f}%")
+            else:
+                cells.append("")
+            lines.append(f"| {index if term == 'c2c' else ''} | {term} | " + " | ".join(cells) + " |")
+    distances = sorted(figures["pretrained"]["layers"][0]["profile"]["c2c"], key=int)
+    lines += [
+        "",
+        "| layer | term | " + " | ".join(f"δ = {d}" for d in distances) + " |",
+        "| --- | --- | " + " | ".join("---:" for _ in distances) + " |",
+    ]
+    for index, layer in enumerate(figures["pretrained"]["layers"]):
+        for term, profile in layer["profile"].items():
+            cells = [f"{profile[d]:+.2f}" if d in profile else "" for d in distances]
+            lines.append(f"| {index if term == 'c2c' else ''} | {term} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def run(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-steps", type=int, default=500, help="pretraining steps (default 500)")
@@ -166,9 +202,17 @@ def run(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "explain", help="figures (default docs/explain)")
     parser.add_argument("--records", type=Path, default=ROOT / "benchmarks" / "records", help="record folder")
     parser.add_argument("--work", type=Path, default=None, help="keep the data and models here (default: temporary)")
+    parser.add_argument("--tables", action="store_true", help="print the page's tables from the last record; no run")
     args = parser.parse_args(argv)
 
-    from benchmarks.records import append_record
+    from benchmarks.records import append_record, read_records
+
+    if args.tables:
+        records = read_records("explain_terms", folder=args.records)
+        if not records:
+            raise SystemExit(f"no explain_terms record in {args.records}: run the benchmark first")
+        print(markdown_tables(records[-1]))
+        return records[-1]["figures"]
 
     with tempfile.TemporaryDirectory() as temporary:
         work = args.work or Path(temporary)

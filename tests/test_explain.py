@@ -424,7 +424,7 @@ def test_command_names_what_is_wrong_with_a_texts_file(tmp_path, spm_model, caps
     assert message in capsys.readouterr().err
 
 
-def test_the_explain_terms_benchmark_runs_on_tiny_settings(tmp_path, monkeypatch):
+def test_the_explain_terms_benchmark_runs_on_tiny_settings(tmp_path, monkeypatch, capsys):
     """benchmarks/explain_terms.py, as docs/explain.md runs it, on the tests' corpus (reading the standard library's
     docstrings takes longer than the rest) and one pretraining step."""
     from spm_fixture import corpus_lines
@@ -450,3 +450,7 @@ def test_the_explain_terms_benchmark_runs_on_tiny_settings(tmp_path, monkeypatch
         assert (out / name).read_bytes().startswith(PNG), name
     statistics = json.loads((out / "pretrained" / "statistics.json").read_text())
     assert statistics["model"] == "pretrained" and str(tmp_path) not in json.dumps(statistics)
+    capsys.readouterr()
+    assert run(["--tables", "--records", str(records)]) == figures  # the page's tables, from the record
+    tables = capsys.readouterr().out
+    assert tables.count("| c2p |") == 8 and "| 3 | c2c |" in tables and "δ = -1" in tables
