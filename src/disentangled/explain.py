@@ -29,6 +29,12 @@ Statistics, over valid pairs only (query and key both real tokens, or the pairs 
 
 The distance profile is the mean of each term over the valid pairs at each relative distance δ(i, j): a c2p
 that peaks at δ = 1 is a head that reads the previous token.
+
+`explain_texts(model, tokenizer, texts)` gives the same statistics and profiles over many texts: `TermSums` adds
+each batch's per-head sums (pairs, Σx, Σx², Σ|x|, Σx·A, and the same within rows; each term's sum at each distance)
+and divides once, so every valid pair of every text weighs the same, whatever the batch size or padding. Its
+distance profiles leave out pairs with a special token by default: [CLS] sits at i = 0 and [SEP] at the end, so
+their scores would show up as effects of distance.
 """
 
 from __future__ import annotations
