@@ -10,8 +10,8 @@ trained on the same part. The same architecture with random weights (`--untraine
 pretraining starts from) is the baseline. Both are explained with `disentangled explain --texts-file` on the held-out
 part (one text per document, cut at 128 tokens, [CLS]/[SEP] left out of the distance profiles).
 
-Writes docs/explain/pretrained/ and docs/explain/untrained/ (the command's figures and statistics.json),
-docs/explain/compare_distance.png and a record in benchmarks/records/explain_terms.jsonl.
+Writes docs/explain/pretrained/ and docs/explain/untrained/ (the command's figures), docs/explain/compare_distance.png
+and a record in benchmarks/records/explain_terms.jsonl (the statistics.json files stay in `--work`).
 """
 
 from __future__ import annotations
@@ -243,18 +243,16 @@ def run(argv: list[str] | None = None) -> dict:
         _, printed = main_quietly([*pretrain, "--output-dir", str(pretrained)])
         check = re.search(r"accuracy on masked tokens ([0-9.]+) \((\d+) sequences\)", printed)
 
-        explain = ["--texts-file", str(held_out), "--layer", "0", "--head", "0", "--json"]
+        explain = ["--texts-file", str(held_out), "--layer", "0", "--head", "0"]
         explain += ["--max-texts", str(args.max_texts)] if args.max_texts else []
         results = {}
         for name, seed in [("pretrained", None), *(("untrained", seed) for seed in args.untrained_seeds)]:
             folder = pretrained if seed is None else untrained_folder(pretrained, work / f"untrained-{seed}", seed)
-            out = args.out / name if seed in (None, args.untrained_seeds[0]) else work / f"out-{seed}"
-            main_quietly(["explain", str(folder), *explain, "--out", str(out)])
-            statistics = json.loads((out / "statistics.json").read_text())
-            statistics["model"] = name if seed is None else f"{name} (seed {seed})"  # not the temporary paths
-            statistics["texts_file"] = "held-out documents of python_docs_split"
-            (out / "statistics.json").write_text(json.dumps(statistics, indent=1) + "\n")
-            results[name if seed in (None, args.untrained_seeds[0]) else f"untrained-{seed}"] = statistics
+            key = name if seed in (None, args.untrained_seeds[0]) else f"untrained-{seed}"
+            out = args.out / name if key == name else work / f"out-{seed}"  # figures: pretrained and the first seed
+            statistics = work / f"{key}.json"  # per-head profiles at every distance: large, kept out of docs/
+            main_quietly(["explain", str(folder), *explain, "--out", str(out), "--json", str(statistics)])
+            results[key] = json.loads(statistics.read_text())
         plot_comparison(results, args.out / "compare_distance.png")
 
     figures = {
