@@ -353,6 +353,9 @@ def test_statistics_over_texts_equal_those_of_the_concatenated_pairs(spm_model, 
         assert summary.profile_pairs == sum((n - 2) ** 2 if exclude_special else n * n for n in lengths)
         for layer in summary.layers:
             assert sum(stats["share"] for stats in layer.statistics.values()) == pytest.approx(1.0)
+    empty = explain_texts(model, tokenizer, [""], exclude_special=exclude_special)  # [CLS] [SEP] alone
+    assert empty.pairs == 4 and empty.profile_pairs == (0 if exclude_special else 4)
+    assert empty.layers[0].profile["c2p"].shape == (4, 0 if exclude_special else 3)
     # One text: the same statistics as explain_attention's.
     single = explain_attention(model, **tokenizer(TEXTS[0], return_tensors="pt", truncation=True, max_length=18))
     alone = explain_texts(model, tokenizer, TEXTS[:1], max_length=18, exclude_special=False)

@@ -322,8 +322,11 @@ class TermSums:
             )
             distances = sorted(sums["distance_pairs"])
             pairs = torch.tensor([sums["distance_pairs"][d] for d in distances], dtype=torch.float64)
-            profile = {
+            heads = len(total["sum"])
+            profile = {  # [H, K]; K = 0 where no pair is left (texts of special tokens only)
                 name: (torch.stack([by_distance[d] for d in distances], -1) / pairs).float()
+                if distances
+                else torch.zeros(heads, 0)
                 for name, by_distance in sums["profile"].items()
             }
             layers.append(
