@@ -503,6 +503,11 @@ def load(name: str, trust_remote_code: bool = False):
 def run(args: argparse.Namespace) -> int:
     import disentangled  # noqa: F401  (registers the Auto classes)
 
+    if (args.text is None) == (args.texts_file is None):
+        raise ValueError("give either a text or --texts-file FILE (one text per line), not both or neither")
+    texts = read_texts(args.texts_file, args.text_column, args.max_texts) if args.texts_file is not None else None
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     model, tokenizer = load(args.model, args.trust_remote_code)
     config = model.config
     layer = args.layer + config.num_hidden_layers if args.layer < 0 else args.layer
@@ -511,10 +516,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.head < config.num_attention_heads:
         raise ValueError(f"--head {args.head}: the model has heads 0 to {config.num_attention_heads - 1}")
 
-    if (args.text is None) == (args.texts_file is None):
-        raise ValueError("give either a text or --texts-file FILE (one text per line), not both or neither")
-    if args.texts_file is not None:
-        return run_texts_file(args, model, tokenizer, layer)
+    if texts is not None:
+        return run_texts_file(args, model, tokenizer, layer, texts)
     encoded = tokenizer(args.text, return_tensors="pt", truncation=True, max_length=args.max_length)
     inputs = {name: encoded[name] for name in ("input_ids", "attention_mask", "token_type_ids") if name in encoded}
     tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][0].tolist())
@@ -569,17 +572,17 @@ def read_texts(name: str, text_column: str = "text", max_texts: int | None = Non
 
     if max_texts is not None and max_texts < 1:
         raise ValueError(f"--max-texts must be at least 1, got {max_texts}")
-    dataset = load_texts(check_data_files([name], "--texts-file"), text_column, "--texts-file")
+    try:
+        dataset = load_texts(check_data_files([name], "--texts-file"), text_column, "--texts-file")
+    except ValueError as error:
+        raise ValueError(f"{error} (give a text file with one text per line, or a .csv/.jsonl file)") from error
     if max_texts is not None:
         dataset = dataset.select(range(min(max_texts, len(dataset))))
     return [text.strip() for text in dataset["text"]]
 
 
-def run_texts_file(args: argparse.Namespace, model, tokenizer, layer: int) -> int:
+def run_texts_file(args: argparse.Namespace, model, tokenizer, layer: int, texts: list[str]) -> int:
     """`--texts-file`: the tables and the share and distance figures over every text; no text or token is printed."""
-    texts = read_texts(args.texts_file, args.text_column, args.max_texts)
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     explanation = explain_texts(model, tokenizer, texts, args.batch_size, args.max_length, args.exclude_special)
     statistics = {"model": str(args.model), "texts_file": str(args.texts_file), **explanation.to_dict()}
     report = sys.stderr if args.json == "-" else sys.stdout
