@@ -195,6 +195,7 @@ def markdown_tables(record: dict) -> str:
 def run(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-steps", type=int, default=500, help="pretraining steps (default 500)")
+    parser.add_argument("--pretrain-seed", type=int, default=0, help="pretraining seed (default 0)")
     parser.add_argument("--vocab-size", type=int, default=2000, help="SentencePiece pieces (default 2000)")
     parser.add_argument("--untrained-seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--max-texts", type=int, default=None, help="held-out texts to explain (default all)")
@@ -208,9 +209,14 @@ def run(argv: list[str] | None = None) -> dict:
     from benchmarks.records import append_record, read_records
 
     if args.tables:
-        records = read_records("explain_terms", folder=args.records)
+        seed = args.pretrain_seed
+        records = [
+            record
+            for record in read_records("explain_terms", folder=args.records)
+            if record["figures"]["pretraining"].get("seed", 0) == seed
+        ]
         if not records:
-            raise SystemExit(f"no explain_terms record in {args.records}: run the benchmark first")
+            raise SystemExit(f"no explain_terms record of --pretrain-seed {seed} in {args.records}: run the benchmark")
         print(markdown_tables(records[-1]))
         return records[-1]["figures"]
 
@@ -238,7 +244,7 @@ def run(argv: list[str] | None = None) -> dict:
             "--per-device-train-batch-size",
             "32",
         ]
-        pretrain += ["--max-steps", str(args.max_steps), "--seed", "0", "--logging-steps", "100"]
+        pretrain += ["--max-steps", str(args.max_steps), "--seed", str(args.pretrain_seed), "--logging-steps", "100"]
         pretrain += ["--save-strategy", "no", "--report-to", "none", "--disable-tqdm", "true"]
         _, printed = main_quietly([*pretrain, "--output-dir", str(pretrained)])
         check = re.search(r"accuracy on masked tokens ([0-9.]+) \((\d+) sequences\)", printed)
@@ -259,6 +265,7 @@ def run(argv: list[str] | None = None) -> dict:
         "model": "tiny preset (hidden 64, 4 layers x 4 heads), c2c + c2p + p2c, 256 log buckets, shared keys",
         "pretraining": {
             "steps": args.max_steps,
+            "seed": args.pretrain_seed,
             "held_out_masked_accuracy": float(check[1]) if check else None,
             "held_out_sequences": int(check[2]) if check else None,
         },
