@@ -238,11 +238,12 @@ def distance_profile(terms: dict[str, Tensor], valid: Tensor, delta: Tensor) -> 
 class TermSums:
     """Statistics and distance profiles over many batches, summed pair by pair and divided at the end.
 
-    `add(terms, valid, delta, profile_pairs)` adds one batch's sums (float64, per head): the count of valid pairs,
-    Σx, Σx², Σ|x| and Σx·A of each term x and of the total A, the same for row-centred values (rows are centred
-    within their own batch, so padding never enters), and each term's sum at each relative distance over
-    `profile_pairs` (default: the valid pairs). `summary()` divides: the statistics of `term_statistics` and the
-    profile of `distance_profile` over the union of all the batches' pairs, whatever the batch size or padding.
+    `add(layer, terms, valid, delta, profile_pairs)` adds one layer of one batch (layer 0 first): per head, in
+    float64, the count of valid pairs, Σx, Σx², Σ|x| and Σx·A of each term x and of the total A, the same for
+    row-centred values (rows are centred within their own batch, so padding never enters), and each term's sum at
+    each relative distance over `profile_pairs` (default: the valid pairs). `summary()` divides: the statistics of
+    `term_statistics` and the profile of `distance_profile` over the union of all the batches' pairs, whatever the
+    batch size or padding.
     """
 
     STATES = ("sum", "square", "absolute", "product", "row_sum", "row_square", "row_product")
