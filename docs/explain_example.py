@@ -1,4 +1,4 @@
-"""Build the small model folder behind the README's `disentangled explain` pictures, and draw them.
+"""Build the small model folder behind the single-text `disentangled explain` pictures of docs/explain.md, and draw them.
 
     python docs/explain_example.py [--folder DIR] [--steps N]    # from the repository root
 

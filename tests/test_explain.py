@@ -260,3 +260,199 @@ def test_command_reads_a_transformers_deberta_v2_folder_as_ours(tmp_path, spm_mo
     transformers.DebertaV2Model(transformers.DebertaV2Config(vocab_size=200, **fields)).save_pretrained(tmp_path)
     assert main(["explain", str(tmp_path), TEXT, "--no-plots"]) == 0
     assert "terms c2c + c2p + p2c" in capsys.readouterr().out
+
+
+# Many texts: `explain_texts` and `disentangled explain --texts-file`.
+
+TEXTS = [  # 11, 6, 15, 6 and (cut from 21) 18 tokens
+    "The cat sat on the mat.",
+    "A bird flew.",
+    "Paris is the capital of France.",
+    "Good film.",
+    "The story was long but the book was good.",
+]
+
+
+def by_definition(model, tokenizer, texts, exclude_special):
+    """Each text alone (no padding), its pairs concatenated across texts: per layer, term -> [H, N] values, the
+    total, the row-centred values, and (term -> {distance: [H] sum}, {distance: pairs}) for the profile."""
+    config = model.config
+    layers = [{"values": {}, "rows": {}, "profile": {}, "pairs": {}} for _ in range(config.num_hidden_layers)]
+    for text in texts:
+        encoded = tokenizer(text, return_tensors="pt", truncation=True, max_length=18)
+        n = encoded["input_ids"].shape[1]
+        keep = list(range(1, n - 1)) if exclude_special else list(range(n))  # [CLS] first, [SEP] last
+        explanation = explain_attention(model, **encoded)
+        for layer, out in zip(explanation.layers, layers):
+            for name, term in [*layer.terms.items(), ("total", layer.scores)]:
+                x = term[0].double()  # [H, n, n], every pair valid
+                out["values"].setdefault(name, []).append(x.flatten(1))
+                out["rows"].setdefault(name, []).append((x - x.mean(-1, keepdim=True)).flatten(1))
+                if name == "total":
+                    continue
+                profile = out["profile"].setdefault(name, {})
+                for i in keep:
+                    for j in keep:
+                        d = bucket(i - j, config.position_buckets, config.max_relative_distance)
+                        profile[d] = profile.get(d, 0) + x[:, i, j]
+                        if name == "c2c":
+                            out["pairs"][d] = out["pairs"].get(d, 0) + 1
+    return layers
+
+
+def assert_matches_definition(summary, reference, exclude_special):
+    def share(x, a):  # Cov(x, a) / Var(a) over the last dimension
+        return ((x - x.mean(-1, keepdim=True)) * (a - a.mean(-1, keepdim=True))).mean(-1) / a.var(-1, correction=0)
+
+    for layer, ref in zip(summary.layers, reference):
+        values = {name: torch.cat(parts, 1) for name, parts in ref["values"].items()}
+        rows = {name: torch.cat(parts, 1) for name, parts in ref["rows"].items()}
+        for name in summary.term_names:
+            x, a = values[name], values["total"]
+            expected_heads = {
+                "mean_abs": x.abs().mean(-1),
+                "std": x.std(-1, correction=0),
+                "share": share(x, a),
+                "row_share": share(rows[name], rows["total"]),
+            }
+            expected = {
+                "mean_abs": x.abs().mean(),
+                "std": x.std(correction=0),
+                "share": share(x.flatten(), a.flatten()),
+                "row_share": share(rows[name].flatten(), rows["total"].flatten()),
+            }
+            for statistic in STATISTICS:
+                torch.testing.assert_close(
+                    layer.head_statistics[name][statistic].double(), expected_heads[statistic], rtol=1e-5, atol=1e-5
+                )
+                assert layer.statistics[name][statistic] == pytest.approx(expected[statistic].item(), rel=1e-5)
+            distances = sorted(ref["pairs"])
+            assert layer.distances.tolist() == distances
+            mean = torch.stack([ref["profile"][name][d] / ref["pairs"][d] for d in distances], -1)
+            torch.testing.assert_close(layer.profile[name].double(), mean, rtol=1e-5, atol=1e-5)
+        a = values["total"]
+        assert layer.total["mean_abs"] == pytest.approx(a.abs().mean().item(), rel=1e-5)
+        assert layer.total["std"] == pytest.approx(a.std(correction=0).item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("exclude_special", [True, False])
+def test_statistics_over_texts_equal_those_of_the_concatenated_pairs(spm_model, tmp_path, exclude_special):
+    from transformers import AutoTokenizer
+
+    from disentangled.explain import explain_texts
+
+    folder = model_folder(tmp_path / "model", spm_model)
+    model, tokenizer = DisentangledForMaskedLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    reference = by_definition(model, tokenizer, TEXTS, exclude_special)
+    lengths = [len(tokenizer(text, truncation=True, max_length=18)["input_ids"]) for text in TEXTS]
+    assert len(set(lengths)) > 2 and max(lengths) > 12  # padded batches, and distances in the log buckets
+    for batch_size in (1, 2, 5):  # batches of 2 and 5 are padded; the result must not depend on it
+        summary = explain_texts(model, tokenizer, TEXTS, batch_size, max_length=18, exclude_special=exclude_special)
+        assert_matches_definition(summary, reference, exclude_special)
+        assert summary.texts == len(TEXTS) and summary.pairs == sum(n * n for n in lengths)
+        assert summary.profile_pairs == sum((n - 2) ** 2 if exclude_special else n * n for n in lengths)
+        for layer in summary.layers:
+            assert sum(stats["share"] for stats in layer.statistics.values()) == pytest.approx(1.0)
+    empty = explain_texts(model, tokenizer, [""], exclude_special=exclude_special)  # [CLS] [SEP] alone
+    assert empty.pairs == 4 and empty.profile_pairs == (0 if exclude_special else 4)
+    assert empty.layers[0].profile["c2p"].shape == (4, 0 if exclude_special else 3)
+    # One text: the same statistics as explain_attention's.
+    single = explain_attention(model, **tokenizer(TEXTS[0], return_tensors="pt", truncation=True, max_length=18))
+    alone = explain_texts(model, tokenizer, TEXTS[:1], max_length=18, exclude_special=False)
+    for first, second in zip(single.layers, alone.layers):
+        for name in single.term_names:
+            for statistic in STATISTICS:
+                assert second.statistics[name][statistic] == pytest.approx(first.statistics[name][statistic], rel=1e-5)
+        torch.testing.assert_close(second.profile["c2p"], first.profile["c2p"], rtol=1e-5, atol=1e-5)
+
+
+def test_command_over_a_texts_file_prints_no_text(tmp_path, spm_model, capsys):
+    folder = model_folder(tmp_path / "model", spm_model)
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(TEXTS) + "\n")
+    out = tmp_path / "out"
+    command = ["explain", str(folder), "--texts-file", str(texts), "--batch-size", "2", "--max-texts", "4"]
+    assert main([*command, "--out", str(out), "--json"]) == 0
+    printed = capsys.readouterr().out
+    assert "4 texts" in printed and "without [CLS]/[SEP]" in printed
+    assert not re.search(r"cat|Paris|bird|story|▁|\[CLS\] ", printed)  # neither the texts nor their tokens
+    for term in ("c2c", "c2p", "p2c", "total"):
+        assert sum(line.split()[-5:-4] == [term] for line in printed.splitlines()) == 2
+    for name in ("term_shares.png", "distance_profile.png"):
+        assert (out / name).read_bytes().startswith(PNG), name
+    statistics = json.loads((out / "statistics.json").read_text())
+    assert statistics["texts"] == 4 and "tokens" not in statistics and "text" not in statistics
+    assert statistics["profile_pairs"] < statistics["pairs"]
+    rows = tmp_path / "texts.jsonl"
+    rows.write_text("".join(json.dumps({"body": text}) + "\n" for text in TEXTS))
+    jsonl = [
+        *command[:3],
+        str(rows),
+        "--max-texts",
+        "4",
+        "--text-column",
+        "body",
+        "--no-exclude-special",
+        "--json",
+        "-",
+    ]
+    assert main([*jsonl, "--no-plots"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["pairs"] == again["profile_pairs"] == statistics["pairs"]
+    for name, stats in statistics["layers"][1]["terms"].items():  # the same texts, read from .jsonl
+        assert again["layers"][1]["terms"][name] == pytest.approx(stats, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--texts-file", "missing.txt"], "--texts-file missing.txt: no such file"),
+        (["--texts-file", "empty.txt"], "is empty"),
+        (["--texts-file", "blank.jsonl"], "no text in the file"),
+        ([TEXT, "--texts-file", "good.txt"], "either a text or --texts-file"),
+        ([], "either a text or --texts-file"),
+        (["--texts-file", "rows.jsonl"], "no column 'text'"),
+        (["--texts-file", "good.txt", "--max-texts", "0"], "--max-texts must be at least 1"),
+        (["--texts-file", "good.txt", "--batch-size", "0"], "--batch-size must be at least 1"),
+    ],
+)
+def test_command_names_what_is_wrong_with_a_texts_file(tmp_path, spm_model, capsys, monkeypatch, arguments, message):
+    folder = model_folder(tmp_path / "model", spm_model)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.jsonl").write_text('{"text": "  "}\n')
+    (tmp_path / "good.txt").write_text(TEXT + "\n")
+    (tmp_path / "rows.jsonl").write_text('{"body": "a text"}\n')
+    assert main(["explain", str(folder), *arguments, "--no-plots"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_explain_terms_benchmark_runs_on_tiny_settings(tmp_path, monkeypatch, capsys):
+    """benchmarks/explain_terms.py, as docs/explain.md runs it, on the tests' corpus (reading the standard library's
+    docstrings takes longer than the rest) and one pretraining step."""
+    from spm_fixture import corpus_lines
+
+    from benchmarks import explain_terms
+    from benchmarks.records import read_records
+
+    lines = [{"text": line} for line in corpus_lines(400)]
+    monkeypatch.setattr(explain_terms, "python_docs_split", lambda: (lines[:300], lines[300:]))
+    run = explain_terms.run
+
+    out, records = tmp_path / "figures", tmp_path / "records"
+    tiny = ["--max-steps", "1", "--vocab-size", "120", "--max-texts", "4"]
+    figures = run([*tiny, "--untrained-seeds", "0", "1", "--out", str(out), "--records", str(records)])
+    assert read_records("explain_terms", folder=records)[-1]["figures"] == figures
+    for name in ("pretrained", "untrained", "untrained-1"):
+        layers = figures[name]["layers"]
+        assert figures[name]["texts"] == 4 and len(layers) == 4
+        assert sum(stats["share"] for stats in layers[0]["terms"].values()) == pytest.approx(1.0, abs=1e-3)
+        assert set(layers[0]["profile"]["c2p"]) >= {"-1", "0", "1"}
+    assert figures["pretraining"]["held_out_masked_accuracy"] is not None
+    for name in ("pretrained/term_shares.png", "untrained/distance_profile.png", "compare_distance.png"):
+        assert (out / name).read_bytes().startswith(PNG), name
+    assert str(tmp_path) not in json.dumps(figures)
+    capsys.readouterr()
+    assert run(["--tables", "--records", str(records)]) == figures  # the page's tables, from the record
+    tables = capsys.readouterr().out
+    assert tables.count("| c2p |") == 8 and "| 3 | c2c |" in tables and "δ = -1" in tables

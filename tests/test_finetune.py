@@ -181,3 +181,33 @@ def test_trainer_saved_tokenizer_on_transformers_4_57(tmp_path, portable):
     make_tokenizer_portable(tmp_path / "saved", tokenizer)
     report = load_in_4_57(tmp_path / "saved", tmp_path)
     assert report["ids"] == [tokenizer(text)["input_ids"] for text in TEXTS]
+
+
+def test_layerwise_learning_rate_decay_groups_and_trains(tmp_path):
+    """--layerwise_lr_decay: the head at the full rate, layer l of L at decay^(L + 1 - l), the embeddings at
+    decay^(L + 1); every trainable parameter in exactly one group; the run trains with those rates."""
+    from finetune_helpers import finetune_module
+
+    module = finetune_module()
+    model = DisentangledForSequenceClassification(tiny_config(tokenizer(), num_labels=2))
+    layers = model.config.num_hidden_layers
+    groups = module.layerwise_parameter_groups(model, 1e-3, 0.5, 0.01)
+    rate_of = {id(p): group["lr"] for group in groups for p in group["params"]}
+    assert sum(len(group["params"]) for group in groups) == len(rate_of) == len(list(model.parameters()))
+    named = dict(model.named_parameters())
+    assert rate_of[id(named["classifier.weight"])] == 1e-3
+    assert rate_of[id(named[f"deberta.encoder.layer.{layers - 1}.output.dense.weight"])] == pytest.approx(5e-4)
+    assert rate_of[id(named["deberta.encoder.layer.0.output.dense.weight"])] == pytest.approx(1e-3 * 0.5**layers)
+    embeddings = named["deberta.embeddings.word_embeddings.weight"]
+    assert rate_of[id(embeddings)] == pytest.approx(1e-3 * 0.5 ** (layers + 1))
+    assert all(group["weight_decay"] == 0.0 for group in groups if any(p.ndim == 1 for p in group["params"]))
+    with pytest.raises(ValueError, match="layerwise_lr_decay"):
+        module.layerwise_parameter_groups(model, 1e-3, 1.5, 0.0)
+
+    train, validation = sentiment_files(tmp_path, train=64, validation=16)
+    results = run_finetune(
+        "--model_name_or_path", pretrained_folder(tmp_path / "model"), "--train_file", train,
+        "--validation_file", validation, "--output_dir", tmp_path / "out", "--do_train", "--do_eval",
+        "--max_steps", "4", "--learning_rate", "1e-3", "--layerwise_lr_decay", "0.8", "--logging_steps", "1",
+    )  # fmt: skip
+    assert torch.isfinite(torch.tensor(results["eval"]["eval_loss"]))

@@ -18,7 +18,7 @@ from disentangled.pretraining import (
     ReplacedTokenDetectionPretraining,
     SharedEmbedding,
     generator_config,
-    roc_auc_from_histograms,
+    roc_auc,
 )
 
 V3 = dict(position_buckets=32, legacy=False, pos_att_type="p2c|c2p", share_att_key=True, relative_attention=True)
@@ -221,15 +221,69 @@ def test_roc_auc_matches_the_pairwise_definition():
     result = metrics.compute()
     positive, negative = logits[labels == 1], logits[labels == 0]
     pairwise = ((positive[:, None] > negative[None, :]).double().mean()).item()
-    assert abs(result["discriminator_auc"] - pairwise) < 2e-3
+    assert result["discriminator_auc"] == pytest.approx(pairwise, abs=1e-4)
     predicted = logits > 0
     true_positive = (predicted & (labels == 1)).sum().item()
     assert result["discriminator_precision"] == pytest.approx(true_positive / predicted.sum().item(), abs=1e-4)
     assert result["discriminator_recall"] == pytest.approx(true_positive / (labels == 1).sum().item(), abs=1e-4)
     assert metrics.compute() == {}  # reading resets
-    assert roc_auc_from_histograms(torch.zeros(3), torch.ones(3)) != roc_auc_from_histograms(
-        torch.zeros(3), torch.ones(3)
+
+
+def test_roc_auc_is_exact_with_ties():
+    # positives 0.9, 0.5, 0.5; negatives 0.5, 0.1: of the 6 pairs, 0.9 beats both (2), each 0.5 ties one 0.5 (0.5)
+    # and beats 0.1 (1): AUC = (2 + 1.5 + 1.5) / 6
+    scores = torch.tensor([0.9, 0.5, 0.5, 0.5, 0.1])
+    labels = torch.tensor([1, 1, 0, 1, 0])
+    assert roc_auc(scores, labels) == pytest.approx(5 / 6, abs=1e-12)
+    assert roc_auc(torch.zeros(4), torch.tensor([1, 0, 1, 0])) == 0.5  # all tied: exactly a guess
+    assert roc_auc(torch.tensor([3.0, 1.0]), torch.tensor([0, 1])) == 0.0
+    assert roc_auc(torch.ones(3), torch.ones(3)).__ne__(roc_auc(torch.ones(3), torch.ones(3)))  # one class: NaN
+    # logits that differ by less than a 1/1000 bin of probability are still ranked
+    logits = torch.tensor([8.0, 8.001, 8.002, 8.003])
+    assert roc_auc(logits, torch.tensor([0, 0, 1, 1])) == 1.0
+    # the running metrics give the same exact AUC, summed over steps
+    metrics = PretrainingMetrics()
+    metrics.update_discriminator(torch.tensor(0.1), logits[:2].view(1, 2), torch.tensor([[0, 0]]))
+    metrics.update_discriminator(torch.tensor(0.1), logits[2:].view(1, 2), torch.tensor([[1, -100]]))
+    assert metrics.compute()["discriminator_auc"] == 1.0
+
+
+def test_gdes_starts_with_the_generators_table_and_rtd_updates_only_e_delta():
+    config, gen_config = configs()
+    torch.manual_seed(0)
+    generator, discriminator = DisentangledForMaskedLM(gen_config), DisentangledForReplacedTokenDetection(config)
+    own_table = discriminator.deberta.embeddings.word_embeddings.weight.detach().clone()
+    module = ReplacedTokenDetectionPretraining(generator, discriminator, "gdes", RTD_WEIGHT)
+    shared = module.discriminator.deberta.embeddings.word_embeddings
+    gen_table = module.generator.deberta.embeddings.word_embeddings.weight
+    assert not torch.equal(own_table, gen_table)  # the two models were drawn with different tables
+    torch.testing.assert_close(shared.weight, gen_table, rtol=0, atol=0)  # E_D = E_G at step 0
+    assert shared.delta.abs().max() == 0
+    # one optimizer step on the discriminator's loss alone: of the tables, only E_delta moves; no generator weight does
+    generator_before = {name: p.detach().clone() for name, p in module.generator.named_parameters()}
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    out = module(**batch())
+    loss = (
+        RTD_WEIGHT
+        * module.discriminator(
+            input_ids=out.discriminator_input_ids,
+            attention_mask=batch()["attention_mask"],
+            labels=out.discriminator_labels,
+        ).loss
     )
+    loss.backward()
+    assert all(p.grad is None for p in module.generator.parameters())
+    optimizer.step()
+    for name, p in module.generator.named_parameters():
+        torch.testing.assert_close(p.detach(), generator_before[name], rtol=0, atol=0)
+    assert shared.delta.abs().max() > 0
+    torch.testing.assert_close(shared.weight, gen_table.detach() + shared.delta, rtol=0, atol=0)
+    # --init-from: a discriminator with its own table keeps it (E_delta = E_D - E_G)
+    torch.manual_seed(0)
+    generator, discriminator = DisentangledForMaskedLM(gen_config), DisentangledForReplacedTokenDetection(config)
+    kept = ReplacedTokenDetectionPretraining(generator, discriminator, "gdes", keep_discriminator_tables=True)
+    torch.testing.assert_close(kept.discriminator.deberta.embeddings.word_embeddings.weight, own_table)
 
 
 def test_data_files_of_each_kind_give_the_same_sequences(tmp_path):
@@ -267,9 +321,19 @@ def test_a_discriminator_at_chance_after_warm_up_is_reported(tmp_path, caplog):
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=100, warmup_steps=20, report_to="none", use_cpu=True)
     trainer = PretrainingTrainer(model=make_module("none"), args=args)
     trainer.state.max_steps = 100
-    for step, auc, warned in ((10, 0.5, False), (50, 0.51, True), (50, 0.8, False)):
+    for step, auc, warned in ((10, 0.5, False), (50, 0.51, False), (101, 0.51, True), (101, 0.8, False)):
         caplog.clear()
         trainer.state.global_step = step
         with caplog.at_level("WARNING", logger="disentangled.pretraining"):
             trainer._check_discriminator(auc, "")
         assert ("near 0.5 after warm-up" in caplog.text) == warned, (step, auc)
+    # no warm-up at all: still nothing before a fifth of the run and 100 steps (the old check fired at step 5)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1000, report_to="none", use_cpu=True)
+    trainer = PretrainingTrainer(model=make_module("none"), args=args)
+    trainer.state.max_steps = 1000
+    for step, warned in ((5, False), (150, False), (201, True)):
+        caplog.clear()
+        trainer.state.global_step = step
+        with caplog.at_level("WARNING", logger="disentangled.pretraining"):
+            trainer._check_discriminator(0.5, "")
+        assert ("near 0.5 after warm-up" in caplog.text) == warned, step

@@ -316,3 +316,34 @@ def test_the_command_lists_every_training_argument(tmp_path):
     fields = [field.name for field in dataclasses.fields(TrainingArguments) if field.init]
     assert all(hasattr(args, name) for name in fields)
     assert args.max_steps == 4 and args.lr_scheduler_type == "cosine" and args.bf16 is True
+
+
+def test_the_recipe_follows_from_the_run_is_printed_and_used(tmp_path, capsys):
+    """No --learning-rate / --warmup-steps: from scratch, the preset's rate with 10% warm-up (a config of hidden
+    size 32 is nearest the tiny preset); continued pretraining (--init-from), 5e-5 with 6% warm-up."""
+    import argparse
+
+    from disentangled.pretrain import CONTINUED_LEARNING_RATE, SCRATCH_LEARNING_RATES, default_recipe
+
+    output = tmp_path / "out"
+    args = _drop(pretrain_args(tmp_path, output, "--logging-steps", "1", steps=10), "--learning-rate")
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    rate = SCRATCH_LEARNING_RATES["tiny"]
+    assert f"recipe: learning rate {rate:g} (default for pretraining the tiny shape from scratch)" in printed
+    assert "warm-up 0.1 of 10 steps (default for pretraining the tiny shape from scratch)" in printed
+    logged = [entry["learning_rate"] for entry in json.loads((output / "trainer_state.json").read_text())["log_history"]
+              if "learning_rate" in entry]  # fmt: skip
+    assert logged[0] == 0 and logged[1] == pytest.approx(rate) == max(logged)  # 1 warm-up step, then decay
+    assert logged[-1] < rate / 5
+    # the run's last line: the held-out verdict, its figures saved beside the others
+    assert "held-out check: the discriminator" in printed.strip().splitlines()[-1]
+    held_out = json.loads((output / "held_out_results.json").read_text())
+    assert 0.0 <= held_out["held_out_discriminator_auc"] <= 1.0
+
+    continued = argparse.Namespace(init_from="some/model", config=None, learning_rate=None, warmup_steps=None)
+    assert default_recipe(continued)["learning_rate"] == (CONTINUED_LEARNING_RATE, "default for continued "
+                                                                                   "pretraining (--init-from)")  # fmt: skip
+    given = argparse.Namespace(init_from=None, config="base", learning_rate=1e-4, warmup_steps=None)
+    chosen = default_recipe(given)
+    assert chosen["learning_rate"] == (1e-4, "given") and chosen["warmup_steps"][0] == 0.1

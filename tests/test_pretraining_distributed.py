@@ -39,3 +39,36 @@ def test_rtd_pretraining_on_two_processes(tmp_path, launcher):
     for role in ("discriminator", "generator"):
         assert (output / role / "model.safetensors").is_file() and (output / role / "spm.model").is_file()
         assert json.loads((output / role / "config.json").read_text())["vocab_size"] == VOCAB_SIZE + 1  # + [MASK]
+
+
+def _metrics_on_rank(rank: int, port: int, scores: list, labels: list, results) -> None:
+    import torch
+
+    from disentangled.pretraining import PretrainingMetrics
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        metrics = PretrainingMetrics()
+        mine = torch.tensor(scores[rank]).view(1, -1)
+        metrics.update_discriminator(torch.tensor(0.3), mine, torch.tensor(labels[rank]).view(1, -1))
+        results[rank] = metrics.compute()["discriminator_auc"]
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_the_auc_is_computed_over_the_tokens_of_every_process():
+    """Two processes with different numbers of labelled tokens: each reads the AUC of all of them together, which
+    neither process's own AUC (nor their mean) gives."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from disentangled.pretraining import roc_auc
+
+    scores = [[0.1, 0.2, 0.9], [0.3, 0.8, 0.4, 0.5, 0.05]]
+    labels = [[0, 0, 1], [0, 1, 1, 0, 0]]
+    expected = roc_auc(torch.tensor(scores[0] + scores[1]), torch.tensor(labels[0] + labels[1]))
+    own = [roc_auc(torch.tensor(s), torch.tensor(y)) for s, y in zip(scores, labels)]
+    assert abs(expected - sum(own) / 2) > 0.01
+    results = mp.Manager().dict()
+    mp.spawn(_metrics_on_rank, args=(free_port(), scores, labels, results), nprocs=2, join=True)
+    assert results[0] == results[1] == pytest.approx(expected, abs=1e-4)

@@ -4,7 +4,7 @@
 """
 
 from .configuration import DisentangledConfig
-from .explain import explain_attention
+from .explain import explain_attention, explain_texts
 from .modeling import (
     DisentangledForMaskedLM,
     DisentangledForMultipleChoice,
@@ -34,5 +34,6 @@ __all__ = [
     "DisentangledForMultipleChoice",
     "register",
     "explain_attention",
+    "explain_texts",
     "quantize_dynamic",
 ]

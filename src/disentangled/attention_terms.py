@@ -12,16 +12,26 @@ STATISTICS = ("mean_abs", "std", "share", "row_share")
 
 
 @dataclass
-class LayerTerms:
-    """One layer's terms, probabilities and statistics."""
+class LayerSummary:
+    """One layer's statistics and distance profile: what is left of its terms once they are averaged."""
 
-    terms: dict[str, Tensor]  # name -> [B, H, L, L] float32, scaled, before the mask
-    probabilities: Tensor  # [B, H, L, L] the model's attention probabilities
     statistics: dict[str, dict[str, float]]  # term -> statistic -> value, over all heads' valid pairs
     total: dict[str, float]  # mean_abs and std of the summed score A
     head_statistics: dict[str, dict[str, Tensor]]  # term -> statistic -> [H]
     distances: Tensor  # [K] int64, the relative distances δ(i, j) present among valid pairs, ascending
     profile: dict[str, Tensor]  # term -> [H, K], the mean of the term at each distance
+
+    @property
+    def heads(self) -> int:
+        return len(next(iter(self.head_statistics.values()))["share"])
+
+
+@dataclass
+class LayerTerms(LayerSummary):
+    """One layer's terms, probabilities and statistics (of one batch of texts)."""
+
+    terms: dict[str, Tensor]  # name -> [B, H, L, L] float32, scaled, before the mask
+    probabilities: Tensor  # [B, H, L, L] the model's attention probabilities
 
     @property
     def scores(self) -> Tensor:
@@ -31,13 +41,20 @@ class LayerTerms:
 
 @dataclass
 class AttentionTerms:
-    """What `explain_attention` returns: one `LayerTerms` per layer, and the pairs the statistics read."""
+    """What `explain_attention` returns: one `LayerTerms` per layer, and the pairs the statistics read.
 
-    layers: list[LayerTerms]
-    valid_pairs: Tensor  # [B, L, L] bool
+    `explain_texts` returns one too, with a `LayerSummary` per layer (statistics and profiles over every text, no
+    terms), `valid_pairs` None, and the number of texts and of (query, key) pairs per head they were read from.
+    """
+
+    layers: list[LayerSummary]
+    valid_pairs: Tensor | None  # [B, L, L] bool
     term_names: tuple[str, ...]
     relative_attention: bool
     scaling: float
+    texts: int | None = None
+    pairs: int | None = None  # valid pairs per head, summed over texts (statistics)
+    profile_pairs: int | None = None  # the pairs the distance profiles read (fewer without special tokens)
 
     def to_dict(self) -> dict:
         """The statistics and distance profiles as plain JSON-ready values (NaN becomes None)."""
@@ -51,7 +68,7 @@ class AttentionTerms:
                         for term, stats in layer.head_statistics.items()
                     },
                 }
-                for head in range(layer.probabilities.shape[1])
+                for head in range(layer.heads)
             ]
             profile = {"distance": layer.distances.tolist()}
             profile.update({term: [_number(v) for v in by_head.mean(0)] for term, by_head in layer.profile.items()})
@@ -70,7 +87,9 @@ class AttentionTerms:
                     "distance_profile": profile,
                 }
             )
+        counts = {name: getattr(self, name) for name in ("texts", "pairs", "profile_pairs") if getattr(self, name)}
         return {
+            **counts,
             "terms": list(self.term_names),
             "relative_attention": self.relative_attention,
             "scaling": self.scaling,

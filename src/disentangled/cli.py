@@ -26,7 +26,10 @@ COMMANDS = {
     ),
     "export-onnx": ("disentangled.onnx_export", "export a model folder to ONNX"),
     "pretrain": ("disentangled.pretrain", "pretrain or continue pretraining a DeBERTa model (RTD with GDES, or MLM)"),
-    "explain": ("disentangled.explain", "show each attention term (c2c, c2p, p2c, p2p) of a model on a text"),
+    "explain": (
+        "disentangled.explain",
+        "show each attention term (c2c, c2p, p2c, p2p) of a model on a text or averaged over a file of texts",
+    ),
 }
 
 

@@ -1,7 +1,13 @@
 """`disentangled pretrain`: pretrain, or continue pretraining, a DeBERTa model with `Trainer`.
 
     disentangled pretrain --train-file corpus.txt --output-dir out --vocab-size 8000 --config small \\
-        --max-steps 10000 --per-device-train-batch-size 32 --learning-rate 5e-4 --warmup-ratio 0.06
+        --max-steps 10000 --per-device-train-batch-size 32
+
+With no `--learning-rate` / `--warmup-steps`, the recipe follows from the run (`default_recipe`, printed at the start):
+from scratch, the preset's learning rate (`SCRATCH_LEARNING_RATES`) with 10% warm-up; continued pretraining
+(`--init-from`), 5e-5 with 6% warm-up, Microsoft's range for an already trained model. The run ends with one line
+saying whether the discriminator learned: its held-out ROC-AUC against 0.5 (`--validation-file`, or
+`--validation-split-percentage` of the training sequences held out).
 
 `--objective rtd` (default): replaced-token detection with a generator (see `disentangled.pretraining`), saved as
 `out/discriminator` and `out/generator`; `--objective mlm`: masked LM, saved as `out`. Every
@@ -46,6 +52,13 @@ PRESETS = {
 DEBERTA_MODEL_TYPES = ("disentangled", "deberta-v2")
 # Our options; each also answers to its underscore spelling, as TrainingArguments' options do.
 OWN_TRAINING_FIELDS = {"output_dir"}
+# From scratch: the peak learning rate per preset (the smaller the model, the higher it can go; see
+# docs/pretraining.md, "What makes the discriminator learn"). Warm-up: a fraction of the steps.
+SCRATCH_LEARNING_RATES = {"tiny": 1e-3, "xsmall": 5e-4, "small": 3e-4, "base": 2e-4, "large": 1e-4}
+SCRATCH_WARMUP = 0.1
+CONTINUED_LEARNING_RATE = 5e-5  # --init-from: Microsoft's continued-pretraining / fine-tuning range
+CONTINUED_WARMUP = 0.06
+RECIPE_FIELDS = ("learning_rate", "warmup_steps")  # parsed with default None: the run decides
 
 
 def _option(parser, name: str, **kwargs) -> None:
@@ -61,6 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(data, "text-column", default="text", help="the text column of .csv / .json(l) files")
     _option(data, "max-seq-length", type=int, default=512, help="tokens per sequence (texts are concatenated)")
     _option(data, "preprocessing-num-workers", type=int, default=None, help="processes for tokenizing")
+    _option(
+        data,
+        "validation-split-percentage",
+        type=float,
+        default=5.0,
+        help="without --validation-file: percent of the training sequences held out for the final check (default 5)",
+    )
     model = parser.add_argument_group("model and objective")
     _option(model, "objective", choices=("rtd", "mlm"), default="rtd", help="replaced-token detection or masked LM")
     _option(model, "embedding-sharing", choices=("gdes", "es", "none"), default="gdes", help="rtd: embedding sharing")
@@ -88,9 +108,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         training_field = copy.copy(training_field)
         training_field.type = hints[training_field.name]
-        if training_field.name == "output_dir":
+        if training_field.name == "output_dir" or training_field.name in RECIPE_FIELDS:
             training_field.default = None
         HfArgumentParser._parse_dataclass_field(training, training_field)
+
+
+def preset_of(args: argparse.Namespace) -> str:
+    """The preset whose recipe fits the run's model: the named preset, else the one of the nearest width."""
+    name = args.config or "xsmall"
+    if name in PRESETS:
+        return name
+    try:
+        hidden = model_config(args, 16, 0).hidden_size
+    except ValueError:
+        return "xsmall"  # the config's own error comes later, with its message
+    return min(PRESETS, key=lambda preset: abs(PRESETS[preset]["hidden_size"] - hidden) + (preset == "small"))
+
+
+def default_recipe(args: argparse.Namespace) -> dict:
+    """The learning rate and warm-up the run uses where the command line names none, and why."""
+    if args.init_from:
+        recipe = dict(learning_rate=CONTINUED_LEARNING_RATE, warmup_steps=CONTINUED_WARMUP)
+        reason = "continued pretraining (--init-from)"
+    else:
+        preset = preset_of(args)
+        recipe = dict(learning_rate=SCRATCH_LEARNING_RATES[preset], warmup_steps=SCRATCH_WARMUP)
+        reason = f"pretraining the {preset} shape from scratch"
+    chosen = {}
+    for name, value in recipe.items():
+        given = getattr(args, name, None)
+        chosen[name] = (value, "default for " + reason) if given is None else (given, "given")
+    return chosen
+
+
+def describe_recipe(chosen: dict, max_steps: int) -> str:
+    (rate, rate_source), (warmup, warmup_source) = chosen["learning_rate"], chosen["warmup_steps"]
+    steps = f"{warmup:g} of {max_steps} steps" if 0 < warmup < 1 and max_steps > 0 else f"{warmup:g} steps"
+    return f"recipe: learning rate {rate:g} ({rate_source}), warm-up {steps} ({warmup_source})"
 
 
 def training_arguments(args: argparse.Namespace):
@@ -101,6 +155,8 @@ def training_arguments(args: argparse.Namespace):
     values = {
         f.name: getattr(args, f.name) for f in dataclasses.fields(TrainingArguments) if f.init and hasattr(args, f.name)
     }
+    for name, (value, _) in default_recipe(args).items():
+        values[name] = value
     values["remove_unused_columns"] = False  # the collator makes the model's inputs
     values["prediction_loss_only"] = True  # evaluation reports the objective's metrics, not logits
     return TrainingArguments(**values)
@@ -247,7 +303,12 @@ def build_objective(args, tokenizer, masking=None):
     else:
         generator = DisentangledForMaskedLM(gen_config)
     return ReplacedTokenDetectionPretraining(
-        generator, discriminator, args.embedding_sharing, args.rtd_weight, masking=masking
+        generator,
+        discriminator,
+        args.embedding_sharing,
+        args.rtd_weight,
+        masking=masking,
+        keep_discriminator_tables=bool(args.init_from),  # else E_delta = 0: E_D = E_G at step 0
     )
 
 
@@ -381,9 +442,18 @@ def run(args: argparse.Namespace) -> int:
                 f"the training text is shorter than one sequence of --max-seq-length {args.max_seq_length} tokens; "
                 "give more text or a smaller --max-seq-length"
             )
+        held_out = eval_dataset
+        if held_out is None:
+            train_dataset, held_out = split_held_out(train_dataset, args.validation_split_percentage, args.seed)
         logger.info(
-            "%d documents -> %d sequences of %d tokens", len(train_texts), len(train_dataset), args.max_seq_length
+            "%d documents -> %d sequences of %d tokens%s",
+            len(train_texts),
+            len(train_dataset),
+            args.max_seq_length,
+            f" (+ {len(held_out)} held out for the final check)" if eval_dataset is None and held_out else "",
         )
+        if training_args.process_index == 0:
+            print(describe_recipe(default_recipe(args), training_args.max_steps), flush=True)
 
         trainer = PretrainingTrainer(
             model=module,
@@ -402,6 +472,10 @@ def run(args: argparse.Namespace) -> int:
         trainer.save_state()
         if eval_dataset is not None and training_args.do_eval:
             trainer.save_metrics("eval", trainer.evaluate())
+        verdict = final_check(trainer, held_out, args.objective, args.seed)
+        if verdict is not None and trainer.is_world_process_zero():
+            trainer.save_metrics("held_out", verdict[0])
+            print(verdict[1], flush=True)
 
         if trainer.is_world_process_zero():
             facts = {
@@ -420,6 +494,50 @@ def run(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
+
+
+def split_held_out(dataset, percentage: float, seed: int):
+    """(training, held-out) sequences: `percentage` percent of them held out (none below 20 sequences or at 0%)."""
+    if not 0 <= percentage < 100:
+        raise ValueError(f"--validation-split-percentage must be in [0, 100), got {percentage}")
+    count = int(len(dataset) * percentage / 100)
+    if count == 0 or len(dataset) < 20:
+        return dataset, None
+    parts = dataset.train_test_split(test_size=count, seed=seed, shuffle=True)
+    return parts["train"], parts["test"]
+
+
+def final_check(trainer, held_out, objective: str, seed: int) -> tuple[dict, str] | None:
+    """Held-out figures and the run's last line: did the discriminator learn (ROC-AUC against 0.5)? For MLM, the
+    model's accuracy on masked held-out tokens. None without held-out sequences."""
+    import torch
+
+    from disentangled.pretraining import LEARNED_AUC
+
+    if held_out is None or len(held_out) == 0:
+        if objective == "rtd":
+            logger.warning("no held-out text (--validation-file or --validation-split-percentage): no final check")
+        return None
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed + 1)  # the same masks and samples for every run with this seed
+    try:
+        figures = trainer.evaluate(eval_dataset=held_out, metric_key_prefix="held_out")
+    finally:
+        torch.random.set_rng_state(state)
+    if objective == "mlm":
+        accuracy = figures.get("held_out_masked_accuracy", float("nan"))
+        return figures, f"held-out check: accuracy on masked tokens {accuracy:.3f} ({len(held_out)} sequences)"
+    auc = figures.get("held_out_discriminator_auc", float("nan"))
+    learned = auc >= LEARNED_AUC
+    line = (
+        f"held-out check: the discriminator {'learned' if learned else 'did NOT learn'}: ROC-AUC {auc:.3f} on the "
+        f"generator's replacements in {len(held_out)} held-out sequences (0.5 = no better than a guess; "
+        f"learned = at least {LEARNED_AUC}); the generator's accuracy on masked tokens "
+        f"{figures.get('held_out_generator_accuracy', float('nan')):.3f}"
+    )
+    if not learned:
+        line += "; see docs/pretraining.md, 'A discriminator that does not learn'"
+    return figures, line
 
 
 def save_outputs(module, tokenizer_files, output_dir: Path, args, facts: dict) -> None:

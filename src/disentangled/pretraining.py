@@ -54,8 +54,9 @@ logger = logging.getLogger(__name__)
 
 SHARING_MODES = ("gdes", "es", "none")
 IGNORE_INDEX = -100
-AUC_BINS = 1000  # the discriminator's probabilities are histogrammed per label; ROC-AUC is read from the histograms
 AUC_WARNING_MARGIN = 0.02  # |AUC - 0.5| below this after warm-up: the discriminator does not separate the tokens
+WARNING_AFTER_STEPS = 100  # the collapse warning waits at least this long, even without warm-up
+LEARNED_AUC = 0.6  # the run's last line: held-out ROC-AUC at least this, "the discriminator learned"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -135,11 +136,14 @@ def check_sharing(generator_config: DisentangledConfig, config: DisentangledConf
         )
 
 
-def share_embeddings(generator: nn.Module, discriminator: nn.Module, embedding_sharing: str) -> list[str]:
+def share_embeddings(
+    generator: nn.Module, discriminator: nn.Module, embedding_sharing: str, keep_discriminator_tables: bool = False
+) -> list[str]:
     """Make the discriminator read the generator's tables (`gdes`/`es`); returns the shared table names.
 
-    E_delta starts as E_D - E_G, which is zero when both start from the same table and keeps a discriminator loaded
-    from a checkpoint exactly as it was otherwise.
+    `gdes`: E_delta starts at zero, so E_D = E_G at step 0, as in Microsoft's GDES. With `keep_discriminator_tables`
+    (a discriminator loaded from a checkpoint, `--init-from`), E_delta starts as E_D - E_G instead, which keeps that
+    discriminator's own tables exactly as they were.
     """
     check_sharing(generator.config, discriminator.config, embedding_sharing)
     if embedding_sharing == "none":
@@ -150,7 +154,7 @@ def share_embeddings(generator: nn.Module, discriminator: nn.Module, embedding_s
         own = getattr(discriminator.deberta.embeddings, name)
         delta = None
         if embedding_sharing == "gdes":
-            delta = (own.weight - source.weight).detach()
+            delta = (own.weight - source.weight) if keep_discriminator_tables else torch.zeros_like(source.weight)
         setattr(discriminator.deberta.embeddings, name, SharedEmbedding(source, embedding_sharing, delta))
     return names
 
@@ -292,8 +296,9 @@ def check_mask_token(tokenizer) -> None:
 
 
 class PretrainingMetrics:
-    """Running sums since the last log: losses, generator accuracy on masked tokens, and the discriminator's
-    confusion counts and probability histograms (ROC-AUC) on labelled tokens. Summed over processes when read."""
+    """Running sums since the last log (losses, generator accuracy on masked tokens, the discriminator's confusion
+    counts) and the discriminator's logit and label for every labelled token, for its exact ROC-AUC. Gathered over
+    processes when read."""
 
     NAMES = (
         "steps", "generator_loss", "discriminator_loss", "masked", "masked_correct",
@@ -302,10 +307,17 @@ class PretrainingMetrics:
 
     def __init__(self) -> None:
         self.sums: dict[str, Tensor] = {}
-        self.histogram: Tensor | None = None  # [2, AUC_BINS]: row 0 original tokens, row 1 replaced tokens
+        self.scores: list[Tensor] = []  # the discriminator's logits on labelled tokens, one tensor per step
+        self.labels: list[Tensor] = []  # 1 replaced, 0 original, beside `scores`
 
     def reset(self) -> None:
-        self.sums, self.histogram = {}, None
+        self.sums, self.scores, self.labels = {}, [], []
+
+    def state(self) -> tuple:
+        return self.sums, self.scores, self.labels
+
+    def restore(self, state: tuple) -> None:
+        self.sums, self.scores, self.labels = state
 
     def _add(self, name: str, value: Tensor) -> None:
         value = value.detach().double()
@@ -322,17 +334,16 @@ class PretrainingMetrics:
     @torch.no_grad()
     def update_discriminator(self, loss: Tensor, logits: Tensor, labels: Tensor) -> None:
         keep = labels != IGNORE_INDEX
-        probability, replaced = torch.sigmoid(logits[keep].float()), labels[keep] == 1
-        predicted = probability > 0.5
+        scores, replaced = logits[keep].float(), labels[keep] == 1
+        predicted = scores > 0  # probability > 0.5
         self._add("discriminator_loss", loss)
         self._add("true_positive", (predicted & replaced).sum())
         self._add("false_positive", (predicted & ~replaced).sum())
         self._add("false_negative", (~predicted & replaced).sum())
         self._add("replaced", replaced.sum())
         self._add("labelled", keep.sum())
-        bins = (probability * AUC_BINS).long().clamp(max=AUC_BINS - 1)
-        histogram = torch.bincount(bins + AUC_BINS * replaced.long(), minlength=2 * AUC_BINS).view(2, AUC_BINS)
-        self.histogram = histogram.double() if self.histogram is None else self.histogram + histogram
+        self.scores.append(scores)
+        self.labels.append(replaced.to(torch.int8))
 
     def compute(self) -> dict[str, float]:
         """The metrics since the last reset, over all processes; resets. Empty when nothing was recorded."""
@@ -340,11 +351,12 @@ class PretrainingMetrics:
         if not names:
             return {}
         values = torch.stack([self.sums[name] for name in names])
-        histogram = self.histogram
+        scores = torch.cat(self.scores) if self.scores else None
+        labels = torch.cat(self.labels) if self.labels else None
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(values)
-            if histogram is not None:
-                torch.distributed.all_reduce(histogram)
+            if scores is not None:
+                scores, labels = gather_variable(scores), gather_variable(labels)
         sums = dict(zip(names, values.tolist()))
         self.reset()
         steps = max(sums.pop("steps", 0.0), 1.0)
@@ -359,19 +371,38 @@ class PretrainingMetrics:
             metrics["discriminator_precision"] = true_positive / max(true_positive + sums["false_positive"], 1.0)
             metrics["discriminator_recall"] = true_positive / max(true_positive + sums["false_negative"], 1.0)
             metrics["replaced_fraction"] = sums["replaced"] / max(sums["labelled"], 1.0)
-            auc = roc_auc_from_histograms(histogram[0], histogram[1]) if histogram is not None else float("nan")
-            metrics["discriminator_auc"] = auc
+            metrics["discriminator_auc"] = roc_auc(scores, labels) if scores is not None else float("nan")
         return {name: round(value, 4) if math.isfinite(value) else value for name, value in metrics.items()}
 
 
-def roc_auc_from_histograms(negative: Tensor, positive: Tensor) -> float:
-    """P(score of a replaced token > score of an original one), ties (same bin) counting half; NaN without both."""
-    negative, positive = negative.double().cpu(), positive.double().cpu()
-    if negative.sum() == 0 or positive.sum() == 0:
+def gather_variable(values: Tensor) -> Tensor:
+    """Every process's 1-d `values` (their lengths may differ), concatenated in rank order, on every process."""
+    size = torch.tensor([values.numel()], device=values.device)
+    sizes = [torch.zeros_like(size) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(sizes, size)
+    longest = int(max(sizes).item())
+    padded = torch.zeros(longest, dtype=values.dtype, device=values.device)
+    padded[: values.numel()] = values
+    gathered = [torch.zeros_like(padded) for _ in sizes]
+    torch.distributed.all_gather(gathered, padded)
+    return torch.cat([part[: int(count.item())] for part, count in zip(gathered, sizes)])
+
+
+def roc_auc(scores: Tensor, labels: Tensor) -> float:
+    """Exact ROC-AUC: P(score of a positive > score of a negative), a tie counting half; NaN without both classes.
+
+    Mann-Whitney: AUC = (R+ - n+ (n+ + 1) / 2) / (n+ n-), with R+ the sum of the positives' ranks among all scores,
+    tied scores sharing their average rank.
+    """
+    scores, positive = scores.detach().double().flatten().cpu(), labels.detach().flatten().cpu().bool()
+    positives, negatives = int(positive.sum()), int((~positive).sum())
+    if positives == 0 or negatives == 0:
         return float("nan")
-    below = torch.cumsum(negative, 0) - negative  # originals in lower bins
-    wins = (positive * (below + 0.5 * negative)).sum()
-    return float(wins / (positive.sum() * negative.sum()))
+    _, inverse, counts = torch.unique(scores, sorted=True, return_inverse=True, return_counts=True)
+    last_rank = counts.cumsum(0).double()  # the 1-based rank of the last score in each group of equal scores
+    average_rank = last_rank - (counts.double() - 1) / 2
+    rank_sum = average_rank[inverse][positive].sum()
+    return float((rank_sum - positives * (positives + 1) / 2) / (positives * negatives))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -419,6 +450,7 @@ class ReplacedTokenDetectionPretraining(nn.Module):
         embedding_sharing: str = "gdes",
         rtd_weight: float = 10.0,
         masking: MaskingCollator | None = None,
+        keep_discriminator_tables: bool = False,
     ):
         super().__init__()
         self.masking = masking
@@ -428,7 +460,7 @@ class ReplacedTokenDetectionPretraining(nn.Module):
         self.discriminator = discriminator
         self.embedding_sharing = embedding_sharing
         self.rtd_weight = rtd_weight
-        self.shared_tables = share_embeddings(generator, discriminator, embedding_sharing)
+        self.shared_tables = share_embeddings(generator, discriminator, embedding_sharing, keep_discriminator_tables)
         self.metrics = PretrainingMetrics()
 
     def forward(
@@ -535,14 +567,19 @@ class MaskedLMPretraining(nn.Module):
 class PretrainingTrainer(Trainer):
     """`Trainer` whose training and evaluation logs carry the objective's metrics (see `PretrainingMetrics`).
 
-    MLM logs `generator_loss` / `generator_accuracy` for its model. A discriminator whose ROC-AUC stays within
-    0.02 of 0.5 after the learning-rate warm-up is reported with a warning: it no longer separates replaced tokens.
+    MLM logs `generator_loss` / `generator_accuracy` for its model. A discriminator whose ROC-AUC is within 0.02 of
+    0.5 after the learning-rate warm-up (and at least a fifth of the run, and 100 steps) is reported with a warning:
+    it does not separate replaced tokens.
     """
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         metrics = self.model.metrics if hasattr(self.model, "metrics") else None
-        if metrics is not None and ("loss" in logs or "eval_loss" in logs):
-            prefix = "" if "loss" in logs else "eval_"
+        # a training log has "loss"; an evaluation's has "<prefix>_loss" (eval_, held_out_, ...); the run's summary
+        # ("train_loss") has no metrics of its own
+        prefix = (
+            "" if "loss" in logs else next((k[:-4] for k in logs if k.endswith("_loss") and k != "train_loss"), None)
+        )
+        if metrics is not None and prefix is not None:
             values = metrics.compute()
             if isinstance(self.model, MaskedLMPretraining):
                 values = {("mlm_loss" if k == "generator_loss" else k): v for k, v in values.items()}
@@ -556,11 +593,12 @@ class PretrainingTrainer(Trainer):
             return
         max_steps = self.state.max_steps or 0
         warmup = self.args.get_warmup_steps(max_steps) if max_steps else 0
-        after_warmup = max(warmup, max_steps // 10)
-        if self.state.global_step > after_warmup and abs(auc - 0.5) < AUC_WARNING_MARGIN:
+        # after a real warm-up: the schedule's, and never before a fifth of the run or WARNING_AFTER_STEPS steps
+        after = max(warmup, max_steps // 5, WARNING_AFTER_STEPS)
+        if self.state.global_step > after and abs(auc - 0.5) < AUC_WARNING_MARGIN:
             logger.warning(
                 "step %d: the discriminator's ROC-AUC is %.3f, near 0.5 after warm-up: it does not separate replaced "
-                "from original tokens (try a lower learning rate, a smaller --rtd-weight or a stronger generator)",
+                "from original tokens (try a lower learning rate, or see docs/pretraining.md)",
                 self.state.global_step,
                 auc,
             )
@@ -575,11 +613,11 @@ class PretrainingTrainer(Trainer):
 
     def evaluate(self, *args, **kwargs):
         metrics = getattr(self.model, "metrics", None)
-        saved = None if metrics is None else (metrics.sums, metrics.histogram)
+        saved = None if metrics is None else metrics.state()
         if metrics is not None:
             metrics.reset()  # training sums since the last log wait until evaluation is over
         try:
             return super().evaluate(*args, **kwargs)
         finally:
             if metrics is not None:
-                metrics.sums, metrics.histogram = saved
+                metrics.restore(saved)
