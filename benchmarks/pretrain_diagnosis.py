@@ -19,6 +19,8 @@ Variants (each one change from `old`, the recipe the issue ran, unless it says o
   rtd-weight-1, rtd-weight-50   the weight of the discriminator's loss
   generator-narrow       the generator half as wide (and E_delta on a table of its width: --embedding-sharing none)
   no-clip        zero-delta without gradient clipping
+  init-0.1       zero-delta with weights drawn with std 0.1 instead of 0.02 (initializer_range)
+  init-0.1-lr-1e-3       the same at learning rate 1e-3 (the tiny preset's recipe now)
 
 Writes benchmarks/results/pretrain_diagnosis.json and docs/pretraining/diagnosis.png.
 """
@@ -35,7 +37,7 @@ import torch
 
 RESULTS = Path(__file__).parent / "results"
 FIGURE = Path(__file__).parent.parent / "docs" / "pretraining" / "diagnosis.png"
-BASE = dict(lr=5e-4, warmup=0.1, clip="joint", delta="difference", rtd_weight=10.0, generator="half-depth")
+BASE = dict(lr=5e-4, warmup=0.1, clip="joint", delta="difference", rtd_weight=10.0, generator="half-depth", init=0.02)
 VARIANTS = {
     "old": {},
     "zero-delta": dict(delta="zero"),
@@ -46,6 +48,8 @@ VARIANTS = {
     "rtd-weight-50": dict(delta="zero", rtd_weight=50.0),
     "generator-narrow": dict(delta="zero", generator="half-width"),
     "no-clip": dict(delta="zero", clip="none"),
+    "init-0.1": dict(delta="zero", init=0.1),
+    "init-0.1-lr-1e-3": dict(delta="zero", init=0.1, lr=1e-3),
 }
 
 
@@ -77,7 +81,8 @@ def build(settings: dict, tokenizer, seed: int):
     from disentangled.pretrain import PRESETS, V3
     from disentangled.pretraining import MaskingCollator, ReplacedTokenDetectionPretraining, generator_config
 
-    config = DisentangledConfig(**V3, **PRESETS["tiny"], vocab_size=len(tokenizer), pad_token_id=0)
+    shape = {**PRESETS["tiny"], "initializer_range": settings["init"]}
+    config = DisentangledConfig(**V3, **shape, vocab_size=len(tokenizer), pad_token_id=0)
     gen_config = generator_config(config)
     sharing = "gdes"
     if settings["generator"] == "half-width":
