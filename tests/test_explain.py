@@ -260,3 +260,25 @@ def test_command_reads_a_transformers_deberta_v2_folder_as_ours(tmp_path, spm_mo
     transformers.DebertaV2Model(transformers.DebertaV2Config(vocab_size=200, **fields)).save_pretrained(tmp_path)
     assert main(["explain", str(tmp_path), TEXT, "--no-plots"]) == 0
     assert "terms c2c + c2p + p2c" in capsys.readouterr().out
+
+
+def test_command_over_a_file_pools_every_text(tmp_path, spm_model, capsys):
+    """--file: the statistics cover every valid pair of every text (padding left out), not the first text's alone."""
+    from transformers import AutoTokenizer
+
+    folder = model_folder(tmp_path / "model", spm_model)
+    texts = [TEXT, "a dog ran under the tree by the river bank today", "the cat"]
+    (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n\n")
+    assert main(["explain", str(folder), "--file", str(tmp_path / "texts.txt"), "--no-plots", "--json",
+                 str(tmp_path / "all.json")]) == 0  # fmt: skip
+    assert "3 texts from" in capsys.readouterr().out
+    pooled = json.loads((tmp_path / "all.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
+    assert pooled["texts"] == 3 and pooled["pairs"] == sum(length**2 for length in lengths)
+    assert main(["explain", str(folder), TEXT, "--no-plots", "--json", str(tmp_path / "one.json")]) == 0
+    one = json.loads((tmp_path / "one.json").read_text())
+    assert pooled["tokens"] == one["tokens"]  # the first text's tokens, unpadded
+    assert pooled["layers"][0]["terms"]["c2p"]["share"] != pytest.approx(one["layers"][0]["terms"]["c2p"]["share"])
+    assert main(["explain", str(folder), TEXT, "--file", str(tmp_path / "texts.txt")]) == 2
+    assert "not both" in capsys.readouterr().err

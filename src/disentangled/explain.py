@@ -253,7 +253,14 @@ FIGURES = ("terms_layer{layer}_head{head}.png", "term_shares.png", "distance_pro
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a model folder or Hub id, with its tokenizer")
-    parser.add_argument("text", help="the text to explain")
+    parser.add_argument("text", nargs="?", help="the text to explain (or --file)")
+    parser.add_argument(
+        "--file",
+        type=Path,
+        help="a text file, one text a line: statistics and distance profiles pooled over every valid pair of all of "
+        "them (the heatmaps show the first)",
+    )
+    parser.add_argument("--max-texts", type=int, default=64, help="with --file: the first N non-empty lines (64)")
     parser.add_argument("--layer", type=int, default=0, help="layer of the heatmaps (default 0; -1 is the last)")
     parser.add_argument("--head", type=int, default=0, help="head of the heatmaps (default 0)")
     parser.add_argument("--out", type=Path, default=Path("explain"), help="folder for the figures (default ./explain)")
@@ -301,6 +308,24 @@ def load(name: str, trust_remote_code: bool = False):
     return model.eval(), tokenizer
 
 
+def read_texts(args: argparse.Namespace) -> list[str]:
+    """The text, or the first --max-texts non-empty lines of --file."""
+    if (args.text is None) == (args.file is None):
+        raise ValueError("give a text or --file FILE (one text a line), not both")
+    if args.file is None:
+        return [args.text]
+    if args.max_texts < 1:
+        raise ValueError(f"--max-texts must be at least 1, got {args.max_texts}")
+    try:
+        lines = args.file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--file {args.file}: cannot be read as UTF-8 text ({error})") from error
+    texts = [line.strip() for line in lines if line.strip()][: args.max_texts]
+    if not texts:
+        raise ValueError(f"--file {args.file} has no text: give one text a line")
+    return texts
+
+
 def run(args: argparse.Namespace) -> int:
     import disentangled  # noqa: F401  (registers the Auto classes)
 
@@ -312,12 +337,21 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.head < config.num_attention_heads:
         raise ValueError(f"--head {args.head}: the model has heads 0 to {config.num_attention_heads - 1}")
 
-    encoded = tokenizer(args.text, return_tensors="pt", truncation=True, max_length=args.max_length)
+    texts = read_texts(args)
+    encoded = tokenizer(texts, return_tensors="pt", truncation=True, max_length=args.max_length, padding=True)
     inputs = {name: encoded[name] for name in ("input_ids", "attention_mask", "token_type_ids") if name in encoded}
-    tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][0].tolist())
+    first = encoded["input_ids"][0][encoded["attention_mask"][0].bool()]
+    tokens = tokenizer.convert_ids_to_tokens(first.tolist())
     explanation = explain_attention(model, **inputs)
 
-    statistics = {"model": str(args.model), "text": args.text, "tokens": tokens, **explanation.to_dict()}
+    statistics = {"model": str(args.model), "text": texts[0], "tokens": tokens, **explanation.to_dict()}
+    if args.file is not None:
+        statistics.update(file=str(args.file), texts=len(texts), pairs=int(explanation.valid_pairs.sum()))
+        print(
+            f"{len(texts)} texts from {args.file}: statistics over {statistics['pairs']:,} token pairs; the heatmaps"
+            " show the first text",
+            file=sys.stderr if args.json == "-" else sys.stdout,
+        )
     to_stdout = args.json == "-"
     report = sys.stderr if to_stdout else sys.stdout
     print(describe(model, explanation, tokens), file=report)
