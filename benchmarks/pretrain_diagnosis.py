@@ -22,20 +22,19 @@ Variants (each one change from `old`, the recipe the issue ran, unless it says o
   init-0.1       zero-delta with weights drawn with std 0.1 instead of 0.02 (initializer_range)
   init-0.1-lr-1e-3       the same at learning rate 1e-3 (the tiny preset's recipe now)
 
-Writes benchmarks/results/pretrain_diagnosis.json and docs/pretraining/diagnosis.png.
+Writes docs/pretraining/diagnosis.json and diagnosis.png, and appends a record to benchmarks/records/pretrain_diagnosis.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parent.parent / "docs" / "pretraining"
 FIGURE = Path(__file__).parent.parent / "docs" / "pretraining" / "diagnosis.png"
 BASE = dict(lr=5e-4, warmup=0.1, clip="joint", delta="difference", rtd_weight=10.0, generator="half-depth", init=0.02)
 VARIANTS = {
@@ -196,8 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-sequences", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--output", default=str(RESULTS / "pretrain_diagnosis.json"))
+    parser.add_argument("--output", default=str(RESULTS / "diagnosis.json"))
+    parser.add_argument("--report", action="store_true", help="run nothing: plot and record the results already there")
     args = parser.parse_args(argv)
+    if args.report:
+        results = json.loads(Path(args.output).read_text())
+        plot(results)
+        record(results)
+        return 0
     torch.set_num_threads(args.threads)
     import tempfile
 
@@ -216,7 +221,19 @@ def main(argv: list[str] | None = None) -> int:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(results, indent=1) + "\n")
     plot(results)
+    record(results)
     return 0
+
+
+def record(results: dict) -> None:
+    """One record per report: each variant's settings and held-out figures at every evaluation step."""
+    from benchmarks.records import append_record
+
+    figures = {
+        name: {"settings": result["settings"], "steps": result["steps"], "seed": result["seed"], **result["curve"]}
+        for name, result in results.items()
+    }
+    append_record("pretrain_diagnosis", figures)
 
 
 def plot(results: dict) -> None:
@@ -239,8 +256,6 @@ def plot(results: dict) -> None:
     figure.tight_layout()
     FIGURE.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(FIGURE, dpi=110)
-    if math.isfinite(0):
-        return
 
 
 if __name__ == "__main__":
