@@ -35,7 +35,6 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).parent.parent / "docs" / "pretraining"
-FIGURE = Path(__file__).parent.parent / "docs" / "pretraining" / "diagnosis.png"
 BASE = dict(lr=5e-4, warmup=0.1, clip="joint", delta="difference", rtd_weight=10.0, generator="half-depth", init=0.02)
 VARIANTS = {
     "old": {},
@@ -197,10 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output", default=str(RESULTS / "diagnosis.json"))
     parser.add_argument("--report", action="store_true", help="run nothing: plot and record the results already there")
+    parser.add_argument("--no-record", action="store_true", help="append no record (smoke runs)")
     args = parser.parse_args(argv)
+    figure = Path(args.output).with_suffix(".png")
     if args.report:
         results = json.loads(Path(args.output).read_text())
-        plot(results)
+        plot(results, figure)
         record(results)
         return 0
     torch.set_num_threads(args.threads)
@@ -220,8 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {"settings": settings, "curve": curve, "steps": args.steps, "seed": args.seed}
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(results, indent=1) + "\n")
-    plot(results)
-    record(results)
+    plot(results, figure)
+    if not args.no_record:
+        record(results)
     return 0
 
 
@@ -236,7 +238,7 @@ def record(results: dict) -> None:
     append_record("pretrain_diagnosis", figures)
 
 
-def plot(results: dict) -> None:
+def plot(results: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -254,8 +256,8 @@ def plot(results: dict) -> None:
         axis.set_ylim(0.4, 1.0)
     axes[1].legend(fontsize=7)
     figure.tight_layout()
-    FIGURE.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(FIGURE, dpi=110)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
