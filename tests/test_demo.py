@@ -82,8 +82,9 @@ def test_demo_runs_end_to_end(tmp_path, seed):
     untrained_mass, _ = country_mass(untrained, tokenizer)
     assert trained_tops == COUNTRIES, trained_tops  # every city's own country first: the facts, not just the kind
     assert trained_mass > 0.5 and trained_mass > 5 * untrained_mass, (trained_mass, untrained_mass)
-    for city, country in zip(CITIES, COUNTRIES):  # and the other way round: "the capital of COUNTRY is [MASK]."
-        batch = tokenizer(f"the capital of {country} is {tokenizer.mask_token}.", return_tensors="pt")
+    for city, country in zip(CITIES, COUNTRIES):  # and the other way round: "the capital of COUNTRY is CITY."
+        ids = tokenizer(f"the capital of {country} is {city}.", return_tensors="pt")["input_ids"]
+        gap = ids == tokenizer.convert_tokens_to_ids("▁" + city)  # the city's own piece, masked in place
         with torch.no_grad():
-            logits = trained(**batch).logits[batch["input_ids"] == tokenizer.mask_token_id]
+            logits = trained(input_ids=ids.masked_fill(gap, tokenizer.mask_token_id)).logits[gap]
         assert tokenizer.convert_ids_to_tokens(int(logits.argmax())) == "▁" + city
