@@ -19,23 +19,23 @@ Variants (each one change from `old`, the recipe the issue ran, unless it says o
   rtd-weight-1, rtd-weight-50   the weight of the discriminator's loss
   generator-narrow       the generator half as wide (and E_delta on a table of its width: --embedding-sharing none)
   no-clip        zero-delta without gradient clipping
+  init-0.1       zero-delta with weights drawn with std 0.1 instead of 0.02 (initializer_range)
+  init-0.1-lr-1e-3       the same at learning rate 1e-3 (the tiny preset's recipe now)
 
-Writes benchmarks/results/pretrain_diagnosis.json and docs/pretraining/diagnosis.png.
+Writes docs/pretraining/diagnosis.json and diagnosis.png, and appends a record to benchmarks/records/pretrain_diagnosis.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).parent / "results"
-FIGURE = Path(__file__).parent.parent / "docs" / "pretraining" / "diagnosis.png"
-BASE = dict(lr=5e-4, warmup=0.1, clip="joint", delta="difference", rtd_weight=10.0, generator="half-depth")
+RESULTS = Path(__file__).parent.parent / "docs" / "pretraining"
+BASE = dict(lr=5e-4, warmup=0.1, clip="joint", delta="difference", rtd_weight=10.0, generator="half-depth", init=0.02)
 VARIANTS = {
     "old": {},
     "zero-delta": dict(delta="zero"),
@@ -46,6 +46,8 @@ VARIANTS = {
     "rtd-weight-50": dict(delta="zero", rtd_weight=50.0),
     "generator-narrow": dict(delta="zero", generator="half-width"),
     "no-clip": dict(delta="zero", clip="none"),
+    "init-0.1": dict(delta="zero", init=0.1),
+    "init-0.1-lr-1e-3": dict(delta="zero", init=0.1, lr=1e-3),
 }
 
 
@@ -77,7 +79,8 @@ def build(settings: dict, tokenizer, seed: int):
     from disentangled.pretrain import PRESETS, V3
     from disentangled.pretraining import MaskingCollator, ReplacedTokenDetectionPretraining, generator_config
 
-    config = DisentangledConfig(**V3, **PRESETS["tiny"], vocab_size=len(tokenizer), pad_token_id=0)
+    shape = {**PRESETS["tiny"], "initializer_range": settings["init"]}
+    config = DisentangledConfig(**V3, **shape, vocab_size=len(tokenizer), pad_token_id=0)
     gen_config = generator_config(config)
     sharing = "gdes"
     if settings["generator"] == "half-width":
@@ -191,8 +194,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-sequences", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--output", default=str(RESULTS / "pretrain_diagnosis.json"))
+    parser.add_argument("--output", default=str(RESULTS / "diagnosis.json"))
+    parser.add_argument("--report", action="store_true", help="run nothing: plot and record the results already there")
+    parser.add_argument("--no-record", action="store_true", help="append no record (smoke runs)")
     args = parser.parse_args(argv)
+    figure = Path(args.output).with_suffix(".png")
+    if args.report:
+        results = json.loads(Path(args.output).read_text())
+        plot(results, figure)
+        record(results)
+        return 0
     torch.set_num_threads(args.threads)
     import tempfile
 
@@ -210,11 +221,24 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {"settings": settings, "curve": curve, "steps": args.steps, "seed": args.seed}
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(results, indent=1) + "\n")
-    plot(results)
+    plot(results, figure)
+    if not args.no_record:
+        record(results)
     return 0
 
 
-def plot(results: dict) -> None:
+def record(results: dict) -> None:
+    """One record per report: each variant's settings and held-out figures at every evaluation step."""
+    from benchmarks.records import append_record
+
+    figures = {
+        name: {"settings": result["settings"], "steps": result["steps"], "seed": result["seed"], **result["curve"]}
+        for name, result in results.items()
+    }
+    append_record("pretrain_diagnosis", figures)
+
+
+def plot(results: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -232,10 +256,8 @@ def plot(results: dict) -> None:
         axis.set_ylim(0.4, 1.0)
     axes[1].legend(fontsize=7)
     figure.tight_layout()
-    FIGURE.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(FIGURE, dpi=110)
-    if math.isfinite(0):
-        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -304,3 +304,19 @@ def test_train_step_in_fresh_processes_prints_the_median_and_range_of_each_ratio
     assert list(rows) == ["ours-sdpa", "transformers-deberta", "bert-sdpa"]
     assert rows["bert-sdpa"][0] == (1.0, 1.0, 1.0)  # BERT against itself, in every process
     assert rows["ours-sdpa"][1] == (1.0, 1.0, 1.0)  # the model against itself
+
+
+def test_pretraining_diagnosis_smoke(tmp_path):
+    """`python -m benchmarks.pretrain_diagnosis` on a few steps: every curve is written, AUCs within [0, 1]."""
+    from benchmarks import pretrain_diagnosis
+
+    output = tmp_path / "diagnosis.json"
+    arguments = ["--variants", "old", "zero-delta", "--steps", "2", "--batch", "2", "--length", "32", "--eval-every",
+                 "2", "--eval-sequences", "4", "--vocab-size", "400", "--output", str(output), "--no-record"]  # fmt: skip
+    assert pretrain_diagnosis.main(arguments) == 0
+    results = json.loads(output.read_text())
+    assert set(results) == {"old", "zero-delta"} and results["old"]["settings"]["delta"] == "difference"
+    for result in results.values():
+        assert result["curve"]["step"] == [2]
+        assert all(0.0 <= result["curve"][key][0] <= 1.0 for key in ("auc", "random_auc", "generator_accuracy"))
+    assert output.with_suffix(".png").read_bytes().startswith(b"\x89PNG")

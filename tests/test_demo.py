@@ -31,10 +31,16 @@ def country_mass(model, tokenizer) -> tuple[float, list[str]]:
     return probabilities[:, country_ids].sum(-1).mean().item(), [top.lstrip("▁") for top in tops]
 
 
+FINE_TUNED = {}  # seed -> (accuracy fine-tuned from the stand-in, from random weights), across the seeds below
+
+
 @pytest.mark.slow
-def test_demo_runs_end_to_end(tmp_path):
-    command = [sys.executable, "-m", "disentangled.cli", "demo", "--output-dir", str(tmp_path)]
-    command += ["--train-size", "64", "--eval-size", "32", "--epochs", "0.5"]
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_demo_runs_end_to_end(tmp_path, seed):
+    """The demo as a user runs it, on three seeds: the stand-in answers the facts it was taught (every city's own
+    country first), and fine-tuning from it reaches at least 0.9 on each seed and beats the same fine-tuning from
+    random weights over the seeds (docs/pretraining.md gives the figures: 0.95 on every seed is not reached yet)."""
+    command = [sys.executable, "-m", "disentangled.cli", "demo", "--output-dir", str(tmp_path), "--seed", str(seed)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
@@ -45,10 +51,16 @@ def test_demo_runs_end_to_end(tmp_path):
     assert "parity (transformers" in out and "from transformers_modules." in out
     assert "`import disentangled` is blocked here" in out
     top = re.search(r"fill-mask  'paris is the capital of \[MASK\]\.': '(\w+)' \d\.\d{3}", out)
-    assert top and top[1] in COUNTRIES, out[-3000:]
+    assert top and top[1] == "france", out[-3000:]
     assert "hidden states of shape (1, " in out
     before = float(re.search(r"accuracy before fine-tuning: (\d\.\d+)", out)[1])
-    assert 0.0 <= before <= 1.0 and re.search(r"accuracy after fine-tuning: +\d\.\d+", out)
+    after = float(re.search(r"accuracy after fine-tuning: +(\d\.\d+)", out)[1])
+    from_random = float(re.search(r"the same fine-tuning from random weights: (\d\.\d+)", out)[1])
+    assert 0.0 <= before <= 1.0
+    FINE_TUNED[seed] = (after, from_random)
+    assert after >= 0.9, (after, from_random)
+    if len(FINE_TUNED) == 3:  # the last seed: pretraining's gain over the three
+        assert sum(a for a, _ in FINE_TUNED.values()) > sum(r for _, r in FINE_TUNED.values()), FINE_TUNED
     assert re.search(r"demo done in \d+ s", out)
     source = json.loads((tmp_path / "source" / "config.json").read_text())
     assert source["model_type"] == "deberta-v2" and source["architectures"] == ["DebertaV2ForMaskedLM"]
@@ -68,5 +80,11 @@ def test_demo_runs_end_to_end(tmp_path):
     untrained = DisentangledForMaskedLM(trained.config).eval()
     trained_mass, trained_tops = country_mass(trained, tokenizer)
     untrained_mass, _ = country_mass(untrained, tokenizer)
-    assert all(top in COUNTRIES for top in trained_tops), trained_tops
+    assert trained_tops == COUNTRIES, trained_tops  # every city's own country first: the facts, not just the kind
     assert trained_mass > 0.5 and trained_mass > 5 * untrained_mass, (trained_mass, untrained_mass)
+    for city, country in zip(CITIES, COUNTRIES):  # and the other way round: "the capital of COUNTRY is CITY."
+        ids = tokenizer(f"the capital of {country} is {city}.", return_tensors="pt")["input_ids"]
+        gap = ids == tokenizer.convert_tokens_to_ids("▁" + city)  # the city's own piece, masked in place
+        with torch.no_grad():
+            logits = trained(input_ids=ids.masked_fill(gap, tokenizer.mask_token_id)).logits[gap]
+        assert tokenizer.convert_ids_to_tokens(int(logits.argmax())) == "▁" + city

@@ -33,7 +33,13 @@ from .data import corpus_lines, pretraining_lines, sentiment_examples, train_sen
 CHILD_SCRIPT = Path(__file__).with_name("demo_remote.py")  # run by path: importing it would hide the package here
 # A DeBERTa-v3-style encoder (relative attention with c2p + p2c, 256 log buckets, shared keys, normalised relative
 # embeddings, no absolute positions), small enough to pretrain and fine-tune in a minute each on 2 CPU cores.
+# Weights drawn with std 0.1 (not DeBERTa's 0.02, meant for widths of 384 and more) and no dropout: at width 128 and
+# std 0.02 attention stays near uniform for hundreds of steps, and 400 steps teach the templates but not the facts
+# (docs/pretraining.md, "What makes a small model learn").
 STAND_IN = dict(
+    initializer_range=0.1,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
     hidden_size=128,
     num_hidden_layers=2,
     num_attention_heads=4,
@@ -57,11 +63,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", help="a DeBERTa Hub id or folder to use instead of the built-in stand-in (needs the Hub)"
     )
     parser.add_argument("--output-dir", help="keep everything here (default: a temporary folder, removed)")
-    parser.add_argument("--epochs", type=float, default=2.0, help="fine-tuning epochs")
+    parser.add_argument("--epochs", type=float, default=3.0, help="fine-tuning epochs")
     parser.add_argument(
         "--learning-rate", type=float, help="fine-tuning learning rate (default 2e-3 built-in, 3e-5 with --model)"
     )
-    parser.add_argument("--train-size", type=int, default=768, help="built-in training sentences")
+    parser.add_argument(
+        "--train-size",
+        type=int,
+        default=256,
+        help="built-in training sentences (256: few enough that pretraining shows; with 768 random weights reach 1.0 too)",
+    )
     parser.add_argument("--eval-size", type=int, default=256, help="built-in evaluation sentences")
     parser.add_argument("--pretrain-steps", type=int, default=400, help="pretraining steps of the built-in stand-in")
     parser.add_argument("--seed", type=int, default=0)
@@ -109,8 +120,9 @@ def _run(args: argparse.Namespace, folder: Path, started: float) -> int:
     learning_rate = args.learning_rate or (3e-5 if args.model else 2e-3)
     command = [sys.executable, str(CHILD_SCRIPT), str(converted), str(train), str(evaluation), str(folder)]
     command += ["--epochs", str(args.epochs), "--learning-rate", str(learning_rate), "--seed", str(args.seed)]
-    if args.model:
-        command += ["--warmup-steps", "20"]
+    command += ["--warmup-steps", "20" if args.model else "0.1"]
+    if not args.model:  # the built-in stand-in: show what pretraining added, against the same from random weights
+        command += ["--compare-random"]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     result_line = ""
     # The child's report, line by line as it comes (its progress bars go straight to stderr).
@@ -135,6 +147,11 @@ def _run(args: argparse.Namespace, folder: Path, started: float) -> int:
         "converted, loaded with trust_remote_code, pipelines "
         f"run, fine-tuned from accuracy {float(figures['accuracy_before']):.3f} to "
         f"{float(figures['accuracy_after']):.3f}"
+        + (
+            f" (from random weights: {float(figures['accuracy_random']):.3f})"
+            if figures.get("accuracy_random", "nan") != "nan"
+            else ""
+        )
     )
     if args.output_dir:
         kept = "converted/, finetuned/" if args.model else "pretrained/, source/ (the stand-in), converted/, finetuned/"
@@ -189,6 +206,7 @@ def pretrain_stand_in(folder: Path, spm_file: Path, vocab_size: int, seed: int, 
     print(f"   {len(lines):,} templated sentences, e.g. {lines[0]!r}, {lines[1]!r}")
     pretrained = folder / "pretrained"
     arguments = ["--objective", "mlm", "--no-enhanced-mask-decoder", "--train-file", str(data / "train.txt")]
+    arguments += ["--line-by-line"]  # one sentence a sequence: a fact is never cut, nor mixed with other facts
     arguments += ["--tokenizer", str(spm_file), "--config", str(data / "config"), "--max-seq-length", "32"]
     arguments += ["--max-steps", str(steps), "--per-device-train-batch-size", "32", "--learning-rate", "2e-3"]
     arguments += ["--warmup-steps", str(steps // 10), "--logging-steps", str(max(1, steps // 10))]

@@ -81,22 +81,10 @@ def use_pipelines(folder: str, tokenizer) -> None:
     done(started)
 
 
-def fine_tune(args: argparse.Namespace, tokenizer) -> None:
-    started = step(f"fine-tuning with transformers' Trainer on {args.train} (sentiment, 2 labels)")
-    labels = ["negative", "positive"]
-    label2id = {label: index for index, label in enumerate(labels)}
-    model = AutoModelForSequenceClassification.from_pretrained(
-        args.folder,
-        trust_remote_code=True,
-        num_labels=2,
-        id2label=dict(enumerate(labels)),
-        label2id=label2id,
-    )
-    print(f"   {type(model).__name__} from {type(model).__module__}: a new, untrained classifier on the encoder")
-    train, evaluation = read_csv(args.train, tokenizer, label2id), read_csv(args.eval, tokenizer, label2id)
-    print(f"   {len(train)} training and {len(evaluation)} evaluation sentences")
+def train_classifier(args: argparse.Namespace, tokenizer, model, train: list, evaluation: list, output: str):
+    """`Trainer` with the demo's recipe; returns it, trained, and the accuracy before and after."""
     training_args = TrainingArguments(
-        output_dir=f"{args.output_dir}/trainer",
+        output_dir=output,
         num_train_epochs=args.epochs,
         learning_rate=args.learning_rate,
         per_device_train_batch_size=args.batch_size,
@@ -108,6 +96,7 @@ def fine_tune(args: argparse.Namespace, tokenizer) -> None:
         report_to="none",
         seed=args.seed,
         use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
     )
     trainer = Trainer(
         model=model,
@@ -118,10 +107,36 @@ def fine_tune(args: argparse.Namespace, tokenizer) -> None:
         compute_metrics=accuracy,
     )
     before = trainer.evaluate()["eval_accuracy"]
-    print(f"   accuracy before fine-tuning: {before:.3f}  (chance: 0.5)", flush=True)
     trainer.train()
-    after = trainer.evaluate()["eval_accuracy"]
-    print(f"   accuracy after fine-tuning:  {after:.3f}")
+    return trainer, before, trainer.evaluate()["eval_accuracy"]
+
+
+def fine_tune(args: argparse.Namespace, tokenizer) -> None:
+    started = step(f"fine-tuning with transformers' Trainer on {args.train} (sentiment, 2 labels)")
+    labels = ["negative", "positive"]
+    label2id = {label: index for index, label in enumerate(labels)}
+    names = dict(num_labels=2, id2label=dict(enumerate(labels)), label2id=label2id)
+    model = AutoModelForSequenceClassification.from_pretrained(args.folder, trust_remote_code=True, **names)
+    print(f"   {type(model).__name__} from {type(model).__module__}: a new, untrained classifier on the encoder")
+    train, evaluation = read_csv(args.train, tokenizer, label2id), read_csv(args.eval, tokenizer, label2id)
+    print(f"   {len(train)} training and {len(evaluation)} evaluation sentences")
+    print(
+        f"   recipe: learning rate {args.learning_rate:g}, warm-up {args.warmup_steps:g} steps, {args.epochs:g} epochs, "
+        f"batch {args.batch_size}",
+        flush=True,
+    )
+    trainer, before, after = train_classifier(args, tokenizer, model, train, evaluation, f"{args.output_dir}/trainer")
+    print(f"   accuracy before fine-tuning: {before:.3f}  (chance: 0.5)")
+    print(f"   accuracy after fine-tuning:  {after:.3f}", flush=True)
+    random_after = float("nan")
+    if args.compare_random:  # the same encoder shape and recipe from random weights: what pretraining added
+        torch.manual_seed(args.seed)
+        config = AutoConfig.from_pretrained(args.folder, trust_remote_code=True, **names)
+        untrained = AutoModelForSequenceClassification.from_config(config, trust_remote_code=True)
+        _, _, random_after = train_classifier(
+            args, tokenizer, untrained, train, evaluation, f"{args.output_dir}/trainer-random"
+        )
+        print(f"   the same fine-tuning from random weights: {random_after:.3f}")
     done(started)
 
     started = step("the fine-tuned model, saved and loaded back with trust_remote_code=True")
@@ -133,7 +148,7 @@ def fine_tune(args: argparse.Namespace, tokenizer) -> None:
         print(f"   text-classification {text!r}: {result[0]['label']} {result[0]['score']:.3f}")
     print(f"   saved to {saved}")
     done(started)
-    print(f"RESULT accuracy_before={before:.4f} accuracy_after={after:.4f}")
+    print(f"RESULT accuracy_before={before:.4f} accuracy_after={after:.4f} accuracy_random={random_after:.4f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=float, default=3.0)
     parser.add_argument("--learning-rate", type=float, default=2e-3)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--warmup-steps", type=int, default=0)
+    parser.add_argument("--warmup-steps", type=float, default=0.1, help="steps, or a fraction of them below 1")
+    parser.add_argument("--compare-random", action="store_true", help="also fine-tune from random weights")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     transformers.logging.set_verbosity_error()

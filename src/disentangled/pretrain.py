@@ -43,7 +43,11 @@ V3 = dict(
     legacy=False,
 )
 PRESETS = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=256),
+    # tiny: weights drawn with std 0.1, not 0.02: at width 64, 0.02 leaves attention near uniform for hundreds of steps
+    # and the discriminator learns only unigram cues (docs/pretraining.md, "What makes the discriminator learn")
+    "tiny": dict(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=256, initializer_range=0.1
+    ),
     "xsmall": dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536),
     "small": dict(hidden_size=768, num_hidden_layers=6, num_attention_heads=12, intermediate_size=3072),
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
@@ -73,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(data, "validation-file", nargs="+", metavar="FILE", help="held-out files, same kind (evaluation)")
     _option(data, "text-column", default="text", help="the text column of .csv / .json(l) files")
     _option(data, "max-seq-length", type=int, default=512, help="tokens per sequence (texts are concatenated)")
+    _option(
+        data,
+        "line-by-line",
+        action="store_true",
+        help="each document (line) its own sequence, padded, instead of concatenated and cut (run_mlm.py's option)",
+    )
     _option(data, "preprocessing-num-workers", type=int, default=None, help="processes for tokenizing")
     _option(
         data,
@@ -430,10 +440,12 @@ def run(args: argparse.Namespace) -> int:
 
         with training_args.main_process_first(desc="tokenizing"):
             train_dataset = tokenize_and_group(
-                train_texts, tokenizer, args.max_seq_length, args.preprocessing_num_workers
+                train_texts, tokenizer, args.max_seq_length, args.preprocessing_num_workers, args.line_by_line
             )
             eval_dataset = (
-                tokenize_and_group(validation_texts, tokenizer, args.max_seq_length, args.preprocessing_num_workers)
+                tokenize_and_group(
+                    validation_texts, tokenizer, args.max_seq_length, args.preprocessing_num_workers, args.line_by_line
+                )
                 if validation_texts is not None
                 else None
             )
@@ -481,7 +493,9 @@ def run(args: argparse.Namespace) -> int:
             facts = {
                 "documents": len(train_texts),
                 "sequences": len(train_dataset),
-                "tokens": len(train_dataset) * args.max_seq_length,
+                "tokens": sum(map(len, train_dataset["input_ids"]))
+                if args.line_by_line
+                else len(train_dataset) * args.max_seq_length,
                 "steps": trainer.state.global_step,
                 "tokens_seen": trainer.state.global_step
                 * training_args.per_device_train_batch_size

@@ -405,6 +405,40 @@ def roc_auc(scores: Tensor, labels: Tensor) -> float:
     return float((rank_sum - positives * (positives + 1) / 2) / (positives * negatives))
 
 
+@torch.no_grad()
+def random_replacement_auc(
+    discriminator: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    replaceable: Tensor,
+    probability: float = 0.15,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> float:
+    """The discriminator's exact ROC-AUC on held-out sequences in which `probability` of the ordinary tokens are
+    replaced by tokens drawn uniformly from `replaceable` (ids): the easiest replacements there are, the same for
+    every run, whatever the generator learned. Special tokens and padding are neither replaced nor scored."""
+    draws = torch.Generator().manual_seed(seed)
+    replace_table = torch.zeros(int(max(replaceable.max(), input_ids.max())) + 1, dtype=torch.bool)
+    replace_table[replaceable] = True
+    ordinary = replace_table[input_ids] & attention_mask.bool()
+    chosen = ordinary & (torch.rand(input_ids.shape, generator=draws) < probability)
+    drawn = replaceable[torch.randint(len(replaceable), input_ids.shape, generator=draws)]
+    corrupted = torch.where(chosen, drawn, input_ids)
+    labels = (corrupted != input_ids).long()
+    training = discriminator.training
+    discriminator.eval()
+    device = next(discriminator.parameters()).device
+    scores = []
+    for start in range(0, len(corrupted), batch_size):
+        rows = slice(start, start + batch_size)
+        logits = discriminator(input_ids=corrupted[rows].to(device), attention_mask=attention_mask[rows].to(device))
+        scores.append(logits.logits.float().cpu())
+    discriminator.train(training)
+    scored = ordinary  # a replaced token, or an ordinary one left in place
+    return roc_auc(torch.cat(scores)[scored], labels[scored])
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Objectives
 

@@ -91,17 +91,34 @@ class GroupTexts:
         return {"input_ids": sequences}
 
 
-def tokenize_and_group(dataset, tokenizer, max_seq_length: int, num_proc: int | None = None):
-    """Tokenized, grouped sequences (cached by `datasets` for file-backed data)."""
+class DocumentSequences:
+    """`--line-by-line`: each document its own `[CLS] ... [SEP]` sequence, cut at `length` ids (padded in batches),
+    as run_mlm.py's `line_by_line`: short texts (sentences) stay whole and apart."""
+
+    def __init__(self, tokenizer, length: int):
+        self.tokenizer = tokenizer
+        self.length = length
+
+    def __call__(self, batch: dict) -> dict:
+        cls_id, sep_id = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
+        pieces = self.tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        return {"input_ids": [[cls_id, *document[: self.length - 2], sep_id] for document in pieces if document]}
+
+
+def tokenize_and_group(
+    dataset, tokenizer, max_seq_length: int, num_proc: int | None = None, line_by_line: bool = False
+):
+    """Tokenized, grouped sequences (cached by `datasets` for file-backed data); one per document with
+    `line_by_line`."""
     if tokenizer.cls_token_id is None or tokenizer.sep_token_id is None:
         raise ValueError("the tokenizer has no [CLS] / [SEP] tokens; use a DeBERTa tokenizer")
     return dataset.map(
-        GroupTexts(tokenizer, max_seq_length),
+        (DocumentSequences if line_by_line else GroupTexts)(tokenizer, max_seq_length),
         batched=True,
         batch_size=1000,
         remove_columns=dataset.column_names,
         num_proc=num_proc,
-        desc=f"tokenizing and grouping into sequences of {max_seq_length}",
+        desc=f"tokenizing{'' if line_by_line else ' and grouping'} into sequences of {max_seq_length}",
     )
 
 
