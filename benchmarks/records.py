@@ -23,14 +23,18 @@ RECORDS = Path(__file__).resolve().parent / "records"
 
 
 def commit() -> str:
-    """The checkout's commit, `+dirty` when tracked files differ from it; "unknown" outside a git checkout."""
+    """The checkout's commit, `+dirty` when tracked files other than the records differ from it (a run appends to
+    the records, which says nothing of the code measured); "unknown" outside a git checkout."""
     top = Path(__file__).resolve().parents[1]
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=top, capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=top, capture_output=True, text=True
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/records"],
+            cwd=top,
+            capture_output=True,
+            text=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
