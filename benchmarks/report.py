@@ -22,6 +22,7 @@ import re
 import sys
 from pathlib import Path
 
+from benchmarks.explain_terms import markdown_tables
 from benchmarks.records import RECORDS, read_records
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -323,11 +324,18 @@ def generate(records: Path = RECORDS) -> tuple[dict[Path, str], dict[Path, dict]
     memories = latest(run_records, "memory")
     int8s = [record for record in latest(read_records("int8", records), "timing")]
     int8s += [r for r in latest(read_records("int8", records), "agreement") if r not in int8s]
-    pages = {
-        Path("docs/performance.md"): ("performance", performance_section(runs, memories, int8s)),
-        Path("README.md"): ("summary", readme_section(runs)),
-    }
-    texts = {path: replace_section((ROOT / path).read_text(), name, body) for path, (name, body) in pages.items()}
+    sections = [
+        (Path("docs/performance.md"), "performance", performance_section(runs, memories, int8s)),
+        (Path("README.md"), "summary", readme_section(runs)),
+    ]
+    explained = [r for r in read_records("explain_terms", records) if r["figures"]["pretraining"].get("seed", 0) == 0]
+    if explained:  # the explain page's tables: the newest run pretrained with seed 0, whose figures the page shows
+        statistics, profiles = markdown_tables(explained[-1]).split("\n\n", 1)
+        sections += [(Path("docs/explain.md"), "explain-statistics", statistics)]
+        sections += [(Path("docs/explain.md"), "explain-profiles", profiles)]
+    texts = {}
+    for path, name, body in sections:
+        texts[path] = replace_section(texts.get(path, (ROOT / path).read_text()), name, body)
     figures = {Path("docs/performance") / name: data for name, data in figure_data(runs, memories, int8s).items()}
     return texts, figures
 
