@@ -31,8 +31,6 @@ def country_mass(model, tokenizer) -> tuple[float, list[str]]:
     return probabilities[:, country_ids].sum(-1).mean().item(), [top.lstrip("▁") for top in tops]
 
 
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_demo_runs_end_to_end(tmp_path, seed):
