@@ -528,6 +528,11 @@ def run(args: argparse.Namespace) -> int:
     to_stdout = args.json == "-"
     report = sys.stderr if to_stdout else sys.stdout
     print(describe(model, explanation, tokens), file=report)
+    return report_and_write(args, explanation, statistics, layer, report, tokens)
+
+
+def report_and_write(args, explanation: AttentionTerms, statistics: dict, layer: int, report, tokens) -> int:
+    """The tables, then the figures (the heatmap of one text's terms only when `tokens` are given) and --json."""
     print(format_table(explanation), file=report)
     print(LEGEND, file=report)
     print(f"\nlayer {layer}, share / share within rows, by head:", file=report)
@@ -541,11 +546,13 @@ def run(args: argparse.Namespace) -> int:
             print("no figures: matplotlib is missing (pip install 'disentangled[plots]')", file=sys.stderr)
         else:
             args.out.mkdir(parents=True, exist_ok=True)
-            terms_name = FIGURES[0].format(layer=layer, head=args.head)
-            plots.plot_terms(explanation.layers[layer], args.head, tokens, args.out / terms_name, layer_index=layer)
+            if tokens is not None:
+                terms_name = FIGURES[0].format(layer=layer, head=args.head)
+                plots.plot_terms(explanation.layers[layer], args.head, tokens, args.out / terms_name, layer_index=layer)
+                written.append(args.out / terms_name)
             plots.plot_shares(explanation, args.out / FIGURES[1])
             plots.plot_distance_profile(explanation, args.out / FIGURES[2], layer=layer)
-            written += [args.out / terms_name, args.out / FIGURES[1], args.out / FIGURES[2]]
+            written += [args.out / FIGURES[1], args.out / FIGURES[2]]
     written += write_json(args, statistics)
     if written:
         print("\nwrote " + ", ".join(str(path) for path in written), file=report)
@@ -594,26 +601,7 @@ def run_texts_file(args: argparse.Namespace, model, tokenizer, layer: int, texts
         f"per head; distance profiles over {explanation.profile_pairs} pairs, {special} [CLS]/[SEP]\n",
         file=report,
     )
-    print(format_table(explanation), file=report)
-    print(LEGEND, file=report)
-    print(f"\nlayer {layer}, share / share within rows, by head:", file=report)
-    print(format_head_table(explanation, layer), file=report)
-
-    written = []
-    if not args.no_plots:
-        try:
-            from . import plots
-        except ImportError:
-            print("no figures: matplotlib is missing (pip install 'disentangled[plots]')", file=sys.stderr)
-        else:
-            args.out.mkdir(parents=True, exist_ok=True)
-            plots.plot_shares(explanation, args.out / FIGURES[1])
-            plots.plot_distance_profile(explanation, args.out / FIGURES[2], layer=layer)
-            written += [args.out / FIGURES[1], args.out / FIGURES[2]]
-    written += write_json(args, statistics)
-    if written:
-        print("\nwrote " + ", ".join(str(path) for path in written), file=report)
-    return 0
+    return report_and_write(args, explanation, statistics, layer, report, tokens=None)
 
 
 LEGEND = (
