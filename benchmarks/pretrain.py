@@ -1,36 +1,45 @@
-"""The DeBERTa-v3 paper's pretraining comparison in miniature: MLM, RTD + `none`, RTD + `es`, RTD + `gdes`.
+"""Does pretraining transfer? The DeBERTa-v3 paper's comparison in miniature, over seeds, on real and generated text.
 
-    python -m benchmarks.pretrain            # the run behind README.md's Pretraining table (see below for time)
-    python -m benchmarks.pretrain --quick    # a smoke run: a few steps, tiny fine-tuning (the test suite runs it)
+    python -m benchmarks.pretrain                      # 3 seeds, both corpora, 2 worker processes of 1 thread each
+    python -m benchmarks.pretrain --seeds 0 --corpora generated --workers 1
+    python -m benchmarks.pretrain --quick --out DIR    # a smoke run: a few steps (the test suite runs it)
+    python -m benchmarks.pretrain --speed              # also time an RTD step against its two models' steps alone
 
-README's run took 19 minutes with --threads 1 on a 2-core machine shared with six other jobs; on an idle one it is
-shorter (the four pretraining runs are about three quarters of it).
+Five arms on each corpus and seed: no pretraining, masked LM, and replaced-token detection with each embedding sharing
+(`none`, `es`, `gdes`). Every pretrained arm is `disentangled pretrain --config tiny` (hidden 64, 4 layers; RTD's
+generator half its depth) with the command's own default recipe for that shape (the learning rate and warm-up it
+prints), the same steps and batches; then every encoder, and a randomly initialised one, is
 
-Text: `disentangled.data.pretraining_lines`, built-in templated sentences with facts and agreement to learn (each
-city is the capital of one country, a sentence's sentiment words agree), seeded; one SentencePiece tokenizer for all.
-Every mode trains the same discriminator (`--config tiny`: hidden 64, 4 layers; RTD's generator: half its depth, with
-the Enhanced Mask Decoder) for the same steps on the same batches of tokens with `disentangled pretrain`, then:
+- fine-tuned with `Trainer` on each downstream task at each learning rate of `--learning-rates`, the rate chosen by
+  the balanced accuracy on the task's validation split, the test split scored once at that rate (no arm loses to a
+  bad rate);
+- probed: a logistic regression on frozen features, once on the [CLS] state and once on the mean of the token states
+  (its L2 weight chosen on validation): does pretraining put content into [CLS], or only into the tokens?
 
-- each encoder (the discriminator; for MLM the model) is fine-tuned with `Trainer` on the same downstream tasks,
-  alongside one with no pretraining: `sentiment` (built-in sentences, held-out evaluation set) and `capitals`
-  ("CITY is the capital of COUNTRY." true or false; fine-tuned on four cities, evaluated on the other two, so only
-  facts learned in pretraining transfer);
-- held-out pretraining metrics: the discriminator's ROC-AUC on replaced tokens and the generator's accuracy on masked
-  tokens (for MLM: the model's own accuracy on masked tokens);
-- the embedding analysis of the v3 paper (its Table 2): the average pairwise cosine similarity of the token embeddings
-  within the generator and within the discriminator, and the average cosine similarity between the generator's and the
-  discriminator's embedding of the same token;
-- speed: an RTD step (forward + backward of generator, sampling, labels, sharing, discriminator) against a generator
-  step plus a discriminator step timed alone on the same batch (interleaved, medians), and the tokens/s the data
-  pipeline (tokenizing and grouping; the collator) sustains against the tokens/s training consumes.
+Corpora and tasks (labels that depend on what the corpus teaches):
+- `generated`: `disentangled.data.pretraining_lines`, templated sentences with facts and agreement, one sentence a
+  sequence of 32 tokens. `sentiment`: neutral words around one sentiment word (the corpus teaches which words go
+  with "love" and which with "hate"). `capitals`: "CITY is the capital of COUNTRY." true or false, fine-tuned on four
+  cities, validated on the fifth and tested on the sixth: only facts learned in pretraining transfer.
+- `real`: `disentangled.data.python_docs_split`, Python's reference manual and the standard library's docstrings
+  (English written by people, shipped with Python), split by source file, 128-token sequences. `topics`: which of
+  four packages (asyncio, email, tkinter, xml) a docstring comes from; trained and validated on documents of the
+  pretraining split, tested on the held-out files' documents, which pretraining never saw.
 
-Writes benchmarks/results/pretrain.json and pretrain.png (pretrain-quick.* with --quick).
+Reported per corpus, task and arm: the test balanced accuracy (chance 1 / classes) at the chosen rate, mean, standard
+deviation and range over seeds; the probes; the discriminator's held-out ROC-AUC on the generator's replacements and
+on uniformly random ones, the generator's (or MLM model's) held-out accuracy on masked tokens. Appends a record to
+benchmarks/records/pretrain.jsonl (the manual's table and figure are generated from it: `python -m benchmarks.report`);
+--quick writes DIR/pretrain-quick.json instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
+import random
 import statistics
 import sys
 import tempfile
@@ -38,79 +47,117 @@ import time
 from pathlib import Path
 
 import torch
-import transformers
 
-from benchmarks import machine
+ARMS = ("none", "mlm", "rtd-none", "rtd-es", "rtd-gdes")
+MODES = ARMS[1:]  # the pretrained arms
+CORPORA = {
+    "generated": dict(length=32, line_by_line=True, tasks=("sentiment", "capitals"), vocab_size=110),
+    "real": dict(length=128, line_by_line=False, tasks=("topics",), vocab_size=4000),
+}
+FULL = dict(steps=300, batch=32, epochs=3.0, learning_rates=(3e-4, 1e-3, 3e-3), lines=None, rows=None)
+QUICK = dict(steps=4, batch=8, epochs=1.0, learning_rates=(1e-3, 3e-3), lines=400, rows=32)  # rows: of each split
 
-RESULTS = Path(__file__).parent / "results"
-MODES = ("mlm", "rtd-none", "rtd-es", "rtd-gdes")
-COLORS = dict(zip(MODES, ("#4c72b0", "#dd8452", "#55a868", "#c44e52")))
-TASKS = ("sentiment", "capitals")
-FULL = dict(steps=300, batch=32, length=32, sentences=20000, train_size=768, eval_size=256, epochs=2.0, repeats=15)
-QUICK = dict(steps=6, batch=8, length=32, sentences=600, train_size=48, eval_size=32, epochs=1.0, repeats=2)
+
+# -- the data ---------------------------------------------------------------------------------------------------
 
 
-def pretrain_arguments(mode: str, data: Path, output: Path, settings: dict, seed: int) -> list[str]:
-    """The `disentangled pretrain` command line of one mode (every mode: same config, steps, batch and seed)."""
+def write_corpus(name: str, folder: Path, settings: dict) -> dict:
+    """Pretraining text (train.txt, validation.txt), a SentencePiece tokenizer, and each task's three splits."""
+    from disentangled import data
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if name == "generated":
+        train = data.pretraining_lines(20000, seed=0)
+        validation = data.pretraining_lines(2000, seed=1)
+        tokenizer_text = data.pretraining_lines(3000, seed=2) + data.corpus_lines(1000, seed=2)  # every built-in word
+        cities = data.CITIES
+        tasks = {
+            "sentiment": dict(
+                train=data.sentiment_examples(256, seed=10),
+                validation=data.sentiment_examples(256, seed=12),
+                test=data.sentiment_examples(512, seed=11),
+            ),
+            "capitals": dict(
+                train=data.capital_examples(256, cities=cities[:4], seed=10),
+                validation=data.capital_examples(128, cities=cities[4:5], seed=12),
+                test=data.capital_examples(256, cities=cities[5:], seed=11),
+            ),
+        }
+    else:
+        train_documents, held_out = data.python_docs_split()
+        train = [line for document in train_documents for line in document["text"].splitlines() if line.strip()]
+        validation = [line for document in held_out for line in document["text"].splitlines() if line.strip()]
+        tokenizer_text = train
+        labelled = data.python_docs_topics(train_documents, seed=0)
+        by_topic = {topic: [row for row in labelled if row["label"] == topic] for topic in data.TOPIC_PACKAGES}
+        tasks = {
+            "topics": dict(  # 80 documents of each topic to train on, up to 40 more to choose the learning rate
+                train=[row for rows in by_topic.values() for row in rows[:80]],
+                validation=[row for rows in by_topic.values() for row in rows[80:120]],
+                test=data.python_docs_topics(held_out, seed=0),
+            )
+        }
+        for rows in tasks["topics"].values():
+            random.Random(0).shuffle(rows)
+    train, validation = train[: settings["lines"]], validation[: settings["lines"]]
+    tasks = {task: {name: rows[: settings["rows"]] for name, rows in splits.items()} for task, splits in tasks.items()}
+    (folder / "train.txt").write_text("\n".join(train) + "\n")
+    (folder / "validation.txt").write_text("\n".join(validation) + "\n")
+    spm_file = data.train_sentencepiece(folder / "tokenizer", tokenizer_text, vocab_size=CORPORA[name]["vocab_size"])
+    (folder / "tasks.json").write_text(json.dumps(tasks))
+    return {"folder": str(folder), "spm": str(spm_file), "words": sum(len(line.split()) for line in train)}
+
+
+# -- one arm's pretraining ------------------------------------------------------------------------------------------
+
+
+def pretrain_arguments(mode: str, corpus: str, data: Path, output: Path, settings: dict, seed: int) -> list[str]:
+    """`disentangled pretrain` for one mode: the same shape, steps, batches and seed for every mode, and the command's
+    default learning rate and warm-up for the tiny shape from scratch."""
     objective, _, sharing = mode.partition("-")
     arguments = ["--objective", objective] + (["--embedding-sharing", sharing] if sharing else [])
     arguments += ["--train-file", str(data / "train.txt"), "--validation-file", str(data / "validation.txt")]
+    arguments += ["--line-by-line"] if CORPORA[corpus]["line_by_line"] else []
     arguments += ["--tokenizer", str(data / "tokenizer" / "spm.model"), "--config", "tiny"]
-    arguments += ["--max-seq-length", str(settings["length"]), "--max-steps", str(settings["steps"])]
+    arguments += ["--max-seq-length", str(CORPORA[corpus]["length"]), "--max-steps", str(settings["steps"])]
     arguments += ["--per-device-train-batch-size", str(settings["batch"]), "--per-device-eval-batch-size", "64"]
-    arguments += ["--learning-rate", "2e-3", "--warmup-steps", str(max(1, settings["steps"] // 10))]
-    arguments += ["--logging-steps", str(max(1, settings["steps"] // 20)), "--do-eval", "--seed", str(seed)]
+    arguments += ["--logging-steps", str(max(1, settings["steps"] // 10)), "--seed", str(seed)]
     arguments += ["--save-strategy", "no", "--report-to", "none", "--disable-tqdm", "true"]
     return arguments + ["--output-dir", str(output)]
 
 
-def write_data(folder: Path, settings: dict, seed: int):
-    """Training and validation text and the shared tokenizer; returns the tokenizer."""
-    from disentangled.data import corpus_lines, pretraining_lines, train_sentencepiece
-    from disentangled.tokenization import tokenizer_from_spm
-
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "train.txt").write_text("\n".join(pretraining_lines(settings["sentences"], seed=seed)) + "\n")
-    (folder / "validation.txt").write_text("\n".join(pretraining_lines(2000, seed=seed + 1)) + "\n")
-    text = pretraining_lines(3000, seed=seed + 2) + corpus_lines(1000, seed=seed + 2)  # every built-in word
-    spm_file = train_sentencepiece(folder / "tokenizer", text, vocab_size=110)
-    return tokenizer_from_spm(spm_file, check_text="paris is the capital of france.")
-
-
-def pretrain(mode: str, data: Path, output: Path, settings: dict, seed: int) -> dict:
-    """Run the command in this process; its logs, held-out metrics, speed and wall time."""
+def pretrain(mode: str, corpus: str, data: Path, output: Path, settings: dict, seed: int, tokenizer) -> dict:
+    """Run the command in this process; the held-out figures of its final check, and for RTD the discriminator's
+    ROC-AUC on uniformly random replacements of the held-out text."""
     from disentangled import cli
 
-    arguments = pretrain_arguments(mode, data, output, settings, seed)
+    arguments = pretrain_arguments(mode, corpus, data, output, settings, seed)
     started = time.perf_counter()
-    code = cli.main(["pretrain", *arguments])
-    wall = time.perf_counter() - started
-    if code != 0:
-        raise RuntimeError(f"disentangled pretrain failed for {mode} (exit {code})")
-    state = json.loads((output / "trainer_state.json").read_text())
-    train = json.loads((output / "train_results.json").read_text())
-    evaluation = json.loads((output / "eval_results.json").read_text())
-    rtd = mode != "mlm"
-    curves = {"step": [], "generator_loss": [], "discriminator_loss": [], "discriminator_auc": []}
-    for entry in state["log_history"]:
-        if "loss" not in entry:
-            continue
-        curves["step"].append(entry["step"])
-        curves["generator_loss"].append(entry["generator_loss" if rtd else "mlm_loss"])
-        curves["discriminator_loss"].append(entry.get("discriminator_loss"))
-        curves["discriminator_auc"].append(entry.get("discriminator_auc"))
-    return {
-        "command": ("disentangled pretrain " + " ".join(arguments)).replace(str(data.parent), "WORK"),
-        "wall_s": wall,
-        "train_s": train["train_runtime"],
-        "tokens_per_s": train["train_samples_per_second"] * settings["length"],
-        "eval_discriminator_auc": evaluation.get("eval_discriminator_auc"),
-        "eval_generator_accuracy": evaluation.get("eval_generator_accuracy" if rtd else "eval_masked_accuracy"),
-        "curves": curves,
-    }
+    if cli.main(["pretrain", *arguments]) != 0:
+        raise RuntimeError(f"disentangled pretrain failed for {mode} on {corpus} (seed {seed})")
+    held_out = json.loads((output / "held_out_results.json").read_text())
+    result = {"seconds": time.perf_counter() - started}
+    if mode == "mlm":
+        result["masked_accuracy"] = held_out.get("held_out_masked_accuracy")
+        return result
+    from disentangled.modeling import DisentangledForReplacedTokenDetection
+    from disentangled.pretraining import random_replacement_auc
+
+    result["auc"] = held_out.get("held_out_discriminator_auc")
+    result["masked_accuracy"] = held_out.get("held_out_generator_accuracy")
+    lines = (data / "validation.txt").read_text().splitlines()[:2000]
+    batch = tokenizer(lines, truncation=True, max_length=CORPORA[corpus]["length"], padding=True, return_tensors="pt")
+    special = torch.tensor(sorted(set(tokenizer.all_special_ids)))
+    ordinary = torch.tensor([i for i in range(len(tokenizer)) if i not in set(special.tolist())])
+    discriminator = DisentangledForReplacedTokenDetection.from_pretrained(output / "discriminator")
+    result["random_auc"] = random_replacement_auc(
+        discriminator, batch["input_ids"], batch["attention_mask"], ordinary, seed=seed
+    )
+    result["embeddings"] = embedding_similarity(output)
+    return result
 
 
-def embedding_similarity(output: Path, mode: str) -> dict:
+def embedding_similarity(output: Path) -> dict:
     """The v3 paper's Table 2 (average pairwise cosine similarity of token embeddings within each model) and the
     average cosine similarity between the generator's and the discriminator's embedding of each token."""
     from disentangled import DisentangledForMaskedLM
@@ -122,9 +169,6 @@ def embedding_similarity(output: Path, mode: str) -> dict:
         count = len(table)
         return float((similarity.sum() - similarity.diagonal().sum()) / (count * (count - 1)))
 
-    if mode == "mlm":
-        table = DisentangledForMaskedLM.from_pretrained(output).deberta.embeddings.word_embeddings.weight.detach()
-        return {"generator": None, "discriminator": within(table), "between": None}
     generator = DisentangledForMaskedLM.from_pretrained(output / "generator")
     discriminator = DisentangledForReplacedTokenDetection.from_pretrained(output / "discriminator")
     gen_table = generator.deberta.embeddings.word_embeddings.weight.detach()
@@ -133,58 +177,165 @@ def embedding_similarity(output: Path, mode: str) -> dict:
     return {"generator": within(gen_table), "discriminator": within(disc_table), "between": float(between)}
 
 
-def fine_tune(encoder: Path | None, tokenizer, task: str, settings: dict, seed: int, work: Path) -> float:
-    """Accuracy on the task's evaluation set after fine-tuning `encoder` (None: the same model, no pretraining)."""
-    from disentangled import DisentangledConfig, DisentangledForSequenceClassification
-    from disentangled.data import CITIES, capital_examples, sentiment_examples
+# -- downstream: fine-tuning and probes --------------------------------------------------------------------------
+
+
+def balanced_accuracy(predicted, gold) -> float:
+    """The mean over classes of the fraction of that class predicted right (chance: 1 / classes, however skewed)."""
+    predicted, gold = torch.as_tensor(predicted), torch.as_tensor(gold)
+    return float(torch.stack([(predicted[gold == c] == c).float().mean() for c in gold.unique()]).mean())
+
+
+def encode(rows: list[dict], tokenizer, labels: list[str], length: int) -> list[dict]:
+    encoded = tokenizer([row["text"] for row in rows], truncation=True, max_length=length)["input_ids"]
+    return [{"input_ids": ids, "labels": labels.index(row["label"])} for ids, row in zip(encoded, rows)]
+
+
+def new_encoder(model_class, encoder: Path | None, vocab_size: int, seed: int, **kwargs):
+    """The pretrained encoder with a new head, or (None) the same shape from random weights; seeded."""
+    from disentangled import DisentangledConfig
     from disentangled.pretrain import PRESETS, V3
 
-    if task == "sentiment":
-        train = sentiment_examples(settings["train_size"], seed=seed + 10)
-        evaluation = sentiment_examples(settings["eval_size"], seed=seed + 11)
-        labels = ["negative", "positive"]
-    else:  # fine-tune on four cities, evaluate on the two it never saw labelled
-        train = capital_examples(settings["train_size"], cities=CITIES[:4], seed=seed + 10)
-        evaluation = capital_examples(settings["eval_size"], cities=CITIES[4:], seed=seed + 11)
-        labels = ["false", "true"]
-    label2id = {label: index for index, label in enumerate(labels)}
-
-    def encode(rows):
-        encoded = tokenizer([row["text"] for row in rows])["input_ids"]
-        return [{"input_ids": ids, "labels": label2id[row["label"]]} for ids, row in zip(encoded, rows)]
-
     torch.manual_seed(seed)
-    if encoder is None:
-        config = DisentangledConfig(**V3, **PRESETS["tiny"], vocab_size=len(tokenizer), pad_token_id=0, num_labels=2)
-        model = DisentangledForSequenceClassification(config)
-    else:
-        model = DisentangledForSequenceClassification.from_pretrained(encoder, num_labels=2)
+    if encoder is not None:
+        return model_class.from_pretrained(encoder, **kwargs)
+    return model_class(DisentangledConfig(**V3, **PRESETS["tiny"], vocab_size=vocab_size, pad_token_id=0, **kwargs))
+
+
+def fine_tune(encoder, tokenizer, splits: dict, labels: list[str], length: int, rate: float, settings, seed, work):
+    """(validation, test) balanced accuracy after fine-tuning at `rate` with `Trainer`."""
+    import transformers
+
+    from disentangled import DisentangledForSequenceClassification
+
+    model = new_encoder(DisentangledForSequenceClassification, encoder, len(tokenizer), seed, num_labels=len(labels))
     arguments = transformers.TrainingArguments(
         output_dir=str(work),
         num_train_epochs=settings["epochs"],
-        learning_rate=2e-3,  # the demo's recipe
+        learning_rate=rate,
+        warmup_steps=0.1,
+        weight_decay=0.01,
         per_device_train_batch_size=16,
         per_device_eval_batch_size=64,
         save_strategy="no",
         report_to="none",
         seed=seed,
         disable_tqdm=True,
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=True,
     )
-
-    def accuracy(prediction) -> dict[str, float]:
-        return {"accuracy": float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())}
-
-    trainer = transformers.Trainer(
-        model=model,
-        args=arguments,
-        train_dataset=encode(train),
-        eval_dataset=encode(evaluation),
-        data_collator=transformers.DataCollatorWithPadding(tokenizer),
-        compute_metrics=accuracy,
-    )
+    data = {name: encode(rows, tokenizer, labels, length) for name, rows in splits.items()}
+    collator = transformers.DataCollatorWithPadding(tokenizer)
+    trainer = transformers.Trainer(model=model, args=arguments, train_dataset=data["train"], data_collator=collator)
     trainer.train()
-    return trainer.evaluate()["eval_accuracy"]
+    scores = []
+    for name in ("validation", "test"):
+        prediction = trainer.predict(data[name])
+        scores.append(balanced_accuracy(prediction.predictions.argmax(-1), prediction.label_ids))
+    return tuple(scores)
+
+
+@torch.no_grad()
+def features(model, tokenizer, rows: list[dict], length: int) -> dict[str, torch.Tensor]:
+    """Frozen last-layer features of each text: the [CLS] state and the mean of its tokens' states."""
+    cls, mean = [], []
+    for start in range(0, len(rows), 64):
+        texts = [row["text"] for row in rows[start : start + 64]]
+        batch = tokenizer(texts, truncation=True, max_length=length, padding=True, return_tensors="pt")
+        hidden = model(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        cls.append(hidden[:, 0])
+        mean.append((hidden * mask).sum(1) / mask.sum(1))
+    return {"cls": torch.cat(cls), "mean": torch.cat(mean)}
+
+
+def logistic_regression(x: torch.Tensor, y: torch.Tensor, classes: int, l2: float) -> torch.Tensor:
+    """Weights [features + 1, classes] of a multinomial logistic regression with an L2 penalty, fitted by L-BFGS."""
+    x = torch.cat([x, torch.ones(len(x), 1)], 1)
+    weights = torch.zeros(x.shape[1], classes, requires_grad=True)
+    optimizer = torch.optim.LBFGS([weights], max_iter=200, line_search_fn="strong_wolfe")
+
+    def loss():
+        optimizer.zero_grad()
+        value = torch.nn.functional.cross_entropy(x @ weights, y) + l2 * weights[:-1].pow(2).sum()
+        value.backward()
+        return value
+
+    optimizer.step(loss)
+    return weights.detach()
+
+
+def probe(encoder, tokenizer, splits: dict, labels: list[str], length: int, seed: int) -> dict[str, float]:
+    """Test balanced accuracy of a linear probe on frozen [CLS] states and on mean-pooled states."""
+    from disentangled import DisentangledModel
+
+    model = new_encoder(DisentangledModel, encoder, len(tokenizer), seed).eval()
+    gold = {name: torch.tensor([labels.index(row["label"]) for row in rows]) for name, rows in splits.items()}
+    found = {name: features(model, tokenizer, rows, length) for name, rows in splits.items()}
+    result = {}
+    for kind in ("cls", "mean"):
+        train = found["train"][kind]
+        center, scale = train.mean(0), train.std(0) + 1e-6
+        x = {name: (found[name][kind] - center) / scale for name in splits}
+
+        def scored(weights, name, x=x):
+            logits = torch.cat([x[name], torch.ones(len(x[name]), 1)], 1) @ weights
+            return balanced_accuracy(logits.argmax(-1), gold[name])
+
+        fits = [logistic_regression(x["train"], gold["train"], len(labels), l2) for l2 in (1e-4, 1e-3, 1e-2, 1e-1)]
+        best = max(fits, key=lambda weights: scored(weights, "validation"))
+        result[kind] = scored(best, "test")
+    return result
+
+
+# -- one (corpus, seed) job ------------------------------------------------------------------------------------------
+
+
+def run_job(job: dict) -> dict:
+    """Pretrain every mode on one corpus with one seed, then fine-tune and probe every arm on its tasks. Runs in a
+    worker process; its output goes to a log file in the work folder."""
+    import transformers
+
+    from disentangled.tokenization import tokenizer_from_spm
+
+    corpus, seed, settings, data = job["corpus"], job["seed"], job["settings"], Path(job["data"])
+    if not job.get("here"):  # a worker: its output to a log file of the job
+        log = os.open(Path(job["work"]) / f"{corpus}-seed{seed}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+    torch.set_num_threads(job["threads"])
+    transformers.logging.set_verbosity_error()
+    tokenizer = tokenizer_from_spm(data / "tokenizer" / "spm.model")
+    tasks = json.loads((data / "tasks.json").read_text())
+    length = CORPORA[corpus]["length"]
+    work = Path(job["work"]) / f"{corpus}-seed{seed}"
+    result = {"corpus": corpus, "seed": seed, "pretraining": {}, "tasks": {}}
+    encoders = {"none": None}
+    for mode in job["modes"]:
+        output = work / mode
+        result["pretraining"][mode] = pretrain(mode, corpus, data, output, settings, seed, tokenizer)
+        transformers.logging.set_verbosity_error()
+        encoders[mode] = output if mode == "mlm" else output / "discriminator"
+        print(f"{corpus} seed {seed} {mode}: {result['pretraining'][mode]}", flush=True)
+    for task, splits in tasks.items():
+        labels = sorted({row["label"] for rows in splits.values() for row in rows})
+        result["tasks"][task] = {}
+        for arm, encoder in encoders.items():
+            tried = {}
+            for rate in settings["learning_rates"]:
+                tried[rate] = fine_tune(encoder, tokenizer, splits, labels, length, rate, settings, seed, work / "ft")
+            chosen = max(tried, key=lambda rate: (tried[rate][0], -rate))  # best on validation; ties: the lower rate
+            result["tasks"][task][arm] = {
+                "learning_rate": chosen,
+                "validation": tried[chosen][0],
+                "test": tried[chosen][1],
+                "tried": {f"{rate:g}": list(scores) for rate, scores in tried.items()},
+                "probe": probe(encoder, tokenizer, splits, labels, length, seed),
+            }
+            print(f"{corpus} seed {seed} {task} {arm}: {result['tasks'][task][arm]}", flush=True)
+    return result
+
+
+# -- speed (--speed) ----------------------------------------------------------------------------------------------
 
 
 def median_times(steps: dict, repeats: int) -> dict[str, float]:
@@ -283,127 +434,149 @@ def speed(tokenizer, data: Path, settings: dict, seed: int) -> dict:
     }
 
 
-def plot(report: dict, path: Path) -> None:
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(13, 3.6), layout="constrained")
-    axes = figure.subplots(1, 3)
-    panels = (
-        ("generator_loss", "generator MLM loss (MLM: the model's)"),
-        ("discriminator_loss", "discriminator RTD loss"),
-        ("discriminator_auc", "discriminator ROC-AUC (training batches)"),
-    )
-    for axis, (name, title) in zip(axes, panels):
-        for mode, result in report["modes"].items():
-            curves = result["pretraining"]["curves"]
-            points = [(s, v) for s, v in zip(curves["step"], curves[name]) if v is not None]
-            if points:
-                axis.plot(*zip(*points), marker=".", label=mode, color=COLORS[mode])
-        axis.set_title(title, fontsize=10)
-        axis.set_xlabel("step")
-        axis.grid(True, alpha=0.3)
-        axis.legend(fontsize=8)
-    figure.suptitle(f"`{report['command']}`: {report['settings_text']}", fontsize=9)
-    figure.savefig(path, dpi=110)
+# -- the report ------------------------------------------------------------------------------------------------------
 
 
-def markdown(report: dict) -> str:
-    def number(value, digits=3):
-        return "-" if value is None else f"{value:.{digits}f}"
+def summary(values: list[float | None]) -> dict | None:
+    values = [value for value in values if value is not None]
+    if not values:
+        return None
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+        "seeds": values,
+    }
 
-    lines = [
-        "| mode | sentiment acc. | capitals acc. (held-out cities) | discriminator ROC-AUC | generator acc. "
-        "| emb. cos G / D (within) | emb. cos G-D (same token) | tokens/s | wall time |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    baseline = report["no_pretraining"]
-    lines.append(
-        f"| no pretraining | {number(baseline['sentiment'])} | {number(baseline['capitals'])} | - | - | - | - | - | - |"
-    )
-    for mode, result in report["modes"].items():
-        pre, emb, down = result["pretraining"], result["embeddings"], result["downstream"]
-        lines.append(
-            f"| {mode} | {number(down['sentiment'])} | {number(down['capitals'])} "
-            f"| {number(pre['eval_discriminator_auc'])} | {number(pre['eval_generator_accuracy'])} "
-            f"| {number(emb['generator'], 2)} / {number(emb['discriminator'], 2)} | {number(emb['between'], 2)} "
-            f"| {pre['tokens_per_s']:,.0f} | {pre['wall_s']:.0f} s |"
-        )
-    fast = report["speed"]
-    seconds = fast["seconds"]
-    lines += [
-        "",
-        f"Speed, batch {fast['batch']}, forward + backward (RTD: with masking), median of {report['settings']['repeats']} interleaved runs: "
-        f"generator alone {seconds['generator'] * 1e3:.1f} ms + discriminator alone "
-        f"{seconds['discriminator'] * 1e3:.1f} ms = {(seconds['generator'] + seconds['discriminator']) * 1e3:.1f} ms; "
-        + ", ".join(
-            f"{name} step {seconds[name] * 1e3:.1f} ms (ratio {fast['ratio'][name]:.2f})" for name in fast["ratio"]
-        )
-        + " (target: at most 1.10).",
-        f"Data pipeline: tokenizing and grouping {fast['pipeline']['tokenize_and_group_tokens_per_s']:,.0f} tokens/s "
-        f"(once, cached), padding into batches {fast['pipeline']['padding_collator_tokens_per_s']:,.0f} tokens/s, "
-        f"masking {fast['pipeline']['masking_tokens_per_s']:,.0f} tokens/s; training consumes "
-        f"{max(r['pretraining']['tokens_per_s'] for r in report['modes'].values()):,.0f} tokens/s at most.",
-    ]
-    return "\n".join(lines)
+
+def aggregate(results: list[dict], arms: list[str]) -> dict:
+    """Per corpus: per task and arm, the test accuracy and the probes over seeds; per mode, the held-out figures."""
+    report = {}
+    for corpus in dict.fromkeys(result["corpus"] for result in results):
+        mine = sorted((r for r in results if r["corpus"] == corpus), key=lambda r: r["seed"])
+        tasks = {}
+        for task in mine[0]["tasks"]:
+            tasks[task] = {
+                arm: {
+                    "test": summary([r["tasks"][task][arm]["test"] for r in mine]),
+                    "probe_cls": summary([r["tasks"][task][arm]["probe"]["cls"] for r in mine]),
+                    "probe_mean": summary([r["tasks"][task][arm]["probe"]["mean"] for r in mine]),
+                    "learning_rates": [r["tasks"][task][arm]["learning_rate"] for r in mine],
+                }
+                for arm in arms
+            }
+        pretraining = {
+            mode: {
+                figure: summary([r["pretraining"][mode].get(figure) for r in mine])
+                for figure in ("auc", "random_auc", "masked_accuracy", "seconds")
+            }
+            for mode in arms
+            if mode != "none"
+        }
+        report[corpus] = {"seeds": [r["seed"] for r in mine], "tasks": tasks, "pretraining": pretraining}
+    return report
+
+
+def markdown(figures: dict) -> str:
+    """The table of the manual's pretraining page: one row per arm, a column per task, then the held-out figures."""
+
+    def cell(stats: dict | None) -> str:
+        if stats is None:
+            return "-"
+        return f"{stats['mean']:.3f} ± {stats['std']:.3f}"
+
+    blocks = []
+    for corpus, report in figures["corpora"].items():
+        tasks = list(report["tasks"])
+        head = ["arm"] + [f"{task}: fine-tuned" for task in tasks]
+        head += [f"{task}: probe [CLS] / mean" for task in tasks]
+        head += ["disc. AUC (generator's / random repl.)", "masked-token acc."]
+        lines = [f"**{corpus} text** (seeds {', '.join(map(str, report['seeds']))})", ""]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for arm in figures["arms"]:
+            row = [arm if arm != "none" else "no pretraining"]
+            row += [cell(report["tasks"][task][arm]["test"]) for task in tasks]
+            row += [
+                f"{cell(report['tasks'][task][arm]['probe_cls'])} / {cell(report['tasks'][task][arm]['probe_mean'])}"
+                for task in tasks
+            ]
+            pre = report["pretraining"].get(arm, {})
+            auc = f"{cell(pre.get('auc'))} / {cell(pre.get('random_auc'))}" if pre.get("auc") else "-"
+            row += [auc, cell(pre.get("masked_accuracy"))]
+            lines.append("| " + " | ".join(row) + " |")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke run: a few steps, tiny fine-tuning")
-    parser.add_argument("--steps", type=int, help="pretraining steps per mode (default 300)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: a few steps, small data")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--corpora", nargs="+", choices=list(CORPORA), default=list(CORPORA))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="pretrained arms")
+    parser.add_argument("--steps", type=int, help=f"pretraining steps per mode (default {FULL['steps']})")
+    parser.add_argument("--workers", type=int, default=2, help="jobs (corpus, seed) run side by side")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--speed", action="store_true", help="also time an RTD step against its models' steps")
+    parser.add_argument("--out", type=Path, help="--quick: where pretrain-quick.json goes")
+    parser.add_argument("--records", type=Path, help="the records folder (default benchmarks/records)")
     args = parser.parse_args(argv)
+    if args.quick and args.out is None:
+        parser.error("--quick needs --out DIR (a smoke run is not a record)")
     settings = dict(QUICK if args.quick else FULL)
-    if args.steps:
-        settings["steps"] = args.steps
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    settings["steps"] = args.steps or settings["steps"]
     command = "python -m benchmarks.pretrain " + " ".join(argv if argv is not None else sys.argv[1:])
-    report = {
-        "command": command.strip(),
-        "machine": f"{machine.describe()}, transformers {transformers.__version__}",
-        "seed": args.seed,
-        "settings": settings,
-        "settings_text": f"--config tiny, {settings['steps']} steps of {settings['batch']}x{settings['length']} "
-        f"tokens, seed {args.seed}",
-        "modes": {},
-    }
-    print(f"{report['command']} on {report['machine']}: {report['settings_text']}", flush=True)
+    arms = ["none", *args.modes]
     started = time.perf_counter()
-    transformers.logging.set_verbosity_error()
     with tempfile.TemporaryDirectory(prefix="pretrain-benchmark-") as folder:
         folder = Path(folder)
-        tokenizer = write_data(folder / "data", settings, args.seed)
-        report["no_pretraining"] = {
-            task: fine_tune(None, tokenizer, task, settings, args.seed, folder / "finetune") for task in TASKS
+        corpora = {name: write_corpus(name, folder / name, settings) for name in args.corpora}
+        jobs = [
+            dict(corpus=name, seed=seed, settings=settings, data=corpora[name]["folder"], work=str(folder))
+            | dict(threads=args.threads, modes=args.modes)
+            for seed in args.seeds
+            for name in args.corpora
+        ]
+        print(f"{command.strip()}: {len(jobs)} jobs on {args.workers} workers; logs in {folder}", flush=True)
+        if args.workers > 1:
+            with multiprocessing.get_context("spawn").Pool(args.workers, maxtasksperchild=1) as pool:
+                results = []
+                for result in pool.imap_unordered(run_job, jobs):
+                    print(f"done: {result['corpus']} seed {result['seed']} ({time.perf_counter() - started:.0f} s)")
+                    results.append(result)
+        else:
+            results = [run_job(job | {"here": True}) for job in jobs]
+        figures = {
+            "settings": settings | {"tiny_learning_rate": tiny_recipe()},
+            "arms": arms,
+            "words": {name: corpus["words"] for name, corpus in corpora.items()},
+            "corpora": aggregate(results, arms),
+            "jobs": results,
         }
-        print(f"no pretraining: {report['no_pretraining']}", flush=True)
-        for mode in args.modes:
-            output = folder / mode
-            result = {"pretraining": pretrain(mode, folder / "data", output, settings, args.seed)}
-            transformers.logging.set_verbosity_error()
-            print(f"{mode}: {result['pretraining']['command']}", flush=True)
-            result["embeddings"] = embedding_similarity(output, mode)
-            encoder = output if mode == "mlm" else output / "discriminator"
-            result["downstream"] = {
-                task: fine_tune(encoder, tokenizer, task, settings, args.seed, folder / "finetune") for task in TASKS
-            }
-            report["modes"][mode] = result
-            summary = {key: value for key, value in result["pretraining"].items() if key not in ("curves", "command")}
-            print(f"{mode}: {summary} {result['embeddings']} {result['downstream']}", flush=True)
-        report["speed"] = speed(tokenizer, folder / "data", settings, args.seed)
-    report["total_s"] = time.perf_counter() - started
-    report["markdown"] = markdown(report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = "pretrain-quick" if args.quick else "pretrain"
-    plot(report, args.out / f"{name}.png")
-    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2))
-    print(f"\n`{report['command']}` on {report['machine']}, {report['total_s']:.0f} s in all\n")
-    print(report["markdown"])
-    return report
+        if args.speed:
+            from disentangled.tokenization import tokenizer_from_spm
+
+            data = Path(corpora[args.corpora[0]]["folder"])
+            tokenizer = tokenizer_from_spm(data / "tokenizer" / "spm.model")
+            figures["speed"] = speed(tokenizer, data, settings | {"length": 32, "repeats": 15}, args.seeds[0])
+    figures["seconds"] = time.perf_counter() - started
+    figures["markdown"] = markdown(figures)
+    print(figures["markdown"])
+    if args.quick:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "pretrain-quick.json").write_text(json.dumps(figures, indent=2))
+    else:
+        from benchmarks.records import RECORDS, append_record
+
+        append_record("pretrain", figures, command=command.split(), folder=args.records or RECORDS)
+    return figures
+
+
+def tiny_recipe() -> float:
+    from disentangled.pretrain import SCRATCH_LEARNING_RATES
+
+    return SCRATCH_LEARNING_RATES["tiny"]
 
 
 if __name__ == "__main__":

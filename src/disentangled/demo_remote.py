@@ -116,6 +116,7 @@ def fine_tune(args: argparse.Namespace, tokenizer) -> None:
     labels = ["negative", "positive"]
     label2id = {label: index for index, label in enumerate(labels)}
     names = dict(num_labels=2, id2label=dict(enumerate(labels)), label2id=label2id)
+    torch.manual_seed(args.seed)  # the new classifier's weights: the same on every run with this seed
     model = AutoModelForSequenceClassification.from_pretrained(args.folder, trust_remote_code=True, **names)
     print(f"   {type(model).__name__} from {type(model).__module__}: a new, untrained classifier on the encoder")
     train, evaluation = read_csv(args.train, tokenizer, label2id), read_csv(args.eval, tokenizer, label2id)
