@@ -22,6 +22,7 @@ import re
 import sys
 from pathlib import Path
 
+from benchmarks import demo, pretrain
 from benchmarks.explain_terms import markdown_tables
 from benchmarks.records import RECORDS, read_records
 
@@ -287,6 +288,34 @@ def draw_int8(plt, data: dict):
     return figure
 
 
+def transfer_data(record: dict) -> dict:
+    """The transfer figure's numbers: per corpus and task, per arm, the fine-tuned test accuracy's mean, min, max."""
+    figures = record["figures"]
+    return {
+        f"{corpus}: {task}": [
+            (arm, stats["test"]["mean"], stats["test"]["min"], stats["test"]["max"])
+            for arm, stats in by_arm.items()
+            if stats["test"]
+        ]
+        for corpus, report in figures["corpora"].items()
+        for task, by_arm in report["tasks"].items()
+    }
+
+
+def draw_transfer(plt, data: dict):
+    """A panel per task: each arm's mean test accuracy over seeds, the range as an error bar."""
+    figure, axes = plt.subplots(1, len(data), figsize=(4 * len(data), 3.6), squeeze=False)
+    for axis, (task, rows) in zip(axes[0], data.items()):
+        positions = range(len(rows))
+        means = [row[1] for row in rows]
+        spread = [[row[1] - row[2] for row in rows], [row[3] - row[1] for row in rows]]
+        axis.bar(positions, means, yerr=spread, capsize=3, color=["grey"] + ["C0"] * (len(rows) - 1))
+        axis.set_xticks(list(positions), [row[0] for row in rows], rotation=30, fontsize=8)
+        axis.set_ylim(0, 1)
+        axis.set_title(f"{task} (test, balanced accuracy)", fontsize=9)
+    return figure
+
+
 def draw(name: str, data: dict, path: Path) -> None:
     """Draw figure `name` from `data` into `path`, its data's digest in the PNG's Description."""
     import matplotlib
@@ -294,7 +323,8 @@ def draw(name: str, data: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure = {"speed.png": draw_speed, "memory.png": draw_memory, "int8.png": draw_int8}[name](plt, data)
+    drawers = {"speed.png": draw_speed, "memory.png": draw_memory, "int8.png": draw_int8, "transfer.png": draw_transfer}
+    figure = drawers[name](plt, data)
     figure.tight_layout()
     figure.savefig(path, dpi=100, metadata={"Software": None, "Description": f"benchmarks.report {digest(data)}"})
     plt.close(figure)
@@ -333,10 +363,21 @@ def generate(records: Path = RECORDS) -> tuple[dict[Path, str], dict[Path, dict]
         statistics, profiles = markdown_tables(explained[-1]).split("\n\n", 1)
         sections += [(Path("docs/explain.md"), "explain-statistics", statistics)]
         sections += [(Path("docs/explain.md"), "explain-profiles", profiles)]
+    demos = read_records("demo", records)
+    if demos:  # the pretraining page's demo table: the newest run over seeds
+        sections += [
+            (Path("docs/pretraining.md"), "demo", provenance(demos[-1]) + "\n\n" + demo.markdown(demos[-1]["figures"]))
+        ]
+    transfers = read_records("pretrain", records)
+    if transfers:  # the pretraining page's transfer table and figure: the newest run
+        body = provenance(transfers[-1]) + "\n\n" + pretrain.markdown(transfers[-1]["figures"])
+        sections += [(Path("docs/pretraining.md"), "transfer", body)]
     texts = {}
     for path, name, body in sections:
         texts[path] = replace_section(texts.get(path, (ROOT / path).read_text()), name, body)
     figures = {Path("docs/performance") / name: data for name, data in figure_data(runs, memories, int8s).items()}
+    if transfers:
+        figures[Path("docs/pretraining/transfer.png")] = transfer_data(transfers[-1])
     return texts, figures
 
 

@@ -163,29 +163,49 @@ def test_device_check_passes_on_the_cpu_and_catches_a_wrong_term(monkeypatch, ca
     assert failed.value.code == 1 and "FAIL" in capsys.readouterr().out
 
 
-def test_pretraining_benchmark_reports_every_mode(tmp_path):
-    """`python -m benchmarks.pretrain --quick`: MLM and RTD under each sharing mode are pretrained, fine-tuned,
-    analysed and timed, and the table, the JSON and the plot report every one (the numbers are not asserted)."""
+def test_pretraining_benchmark_reports_every_arm(tmp_path):
+    """`python -m benchmarks.pretrain --quick`: on both corpora, every mode is pretrained and every arm (no
+    pretraining included) fine-tuned at each learning rate and probed; the chosen rate is the best on validation, the
+    summaries agree with the per-seed figures, the table names every arm, and --speed times an RTD step against its
+    two models' steps alone (the numbers are not asserted)."""
     from benchmarks import pretrain
 
-    report = pretrain.main(["--quick", "--out", str(tmp_path)])
+    report = pretrain.main(["--quick", "--seeds", "0", "--workers", "1", "--speed", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "pretrain-quick.json").read_text())
-    assert list(saved["modes"]) == ["mlm", "rtd-none", "rtd-es", "rtd-gdes"] == list(report["modes"])
-    for mode, result in saved["modes"].items():
-        assert f"| {mode} |" in saved["markdown"]
-        assert result["pretraining"]["command"].startswith("disentangled pretrain --objective ")
-        assert set(result["downstream"]) == {"sentiment", "capitals"}
-        assert all(0.0 <= accuracy <= 1.0 for accuracy in result["downstream"].values())
-        assert 0.0 <= result["pretraining"]["eval_generator_accuracy"] <= 1.0
-        assert len(result["pretraining"]["curves"]["step"]) > 1
-        if mode != "mlm":
-            assert 0.0 <= result["pretraining"]["eval_discriminator_auc"] <= 1.0
-            assert -1.0 <= result["embeddings"]["between"] <= 1.0
-    # es shares one table: the generator's and discriminator's embedding of a token are the same vector
-    assert abs(saved["modes"]["rtd-es"]["embeddings"]["between"] - 1.0) < 1e-5
+    assert saved["arms"] == ["none", "mlm", "rtd-none", "rtd-es", "rtd-gdes"] == report["arms"]
+    assert set(saved["corpora"]) == {"generated", "real"}
+    assert set(saved["corpora"]["generated"]["tasks"]) == {"sentiment", "capitals"}
+    assert set(saved["corpora"]["real"]["tasks"]) == {"topics"}
+    for job in saved["jobs"]:
+        for task, arms in job["tasks"].items():
+            assert list(arms) == saved["arms"]
+            for arm, result in arms.items():
+                tried = {float(rate): scores for rate, scores in result["tried"].items()}
+                assert set(tried) == set(pretrain.QUICK["learning_rates"])
+                assert tried[result["learning_rate"]][0] == max(scores[0] for scores in tried.values())
+                assert result["test"] == tried[result["learning_rate"]][1]
+                assert all(0.0 <= result["probe"][kind] <= 1.0 for kind in ("cls", "mean"))
+                summary = saved["corpora"][job["corpus"]]["tasks"][task][arm]["test"]
+                assert summary["seeds"] == [result["test"]] and summary["std"] == 0.0
+        for mode, figures in job["pretraining"].items():
+            assert 0.0 <= figures["masked_accuracy"] <= 1.0
+            if mode != "mlm":
+                assert 0.0 <= figures["auc"] <= 1.0 and 0.0 <= figures["random_auc"] <= 1.0
+        # es shares one table: the generator's and discriminator's embedding of a token are the same vector
+        assert abs(job["pretraining"]["rtd-es"]["embeddings"]["between"] - 1.0) < 1e-5
+    for arm in ("no pretraining", "mlm", "rtd-none", "rtd-es", "rtd-gdes"):
+        assert saved["markdown"].count(f"| {arm} |") == 2  # a row in each corpus's table
     assert set(saved["speed"]["ratio"]) == {"rtd-none", "rtd-es", "rtd-gdes"}
     assert all(tokens_per_s > 0 for tokens_per_s in saved["speed"]["pipeline"].values())
-    assert (tmp_path / "pretrain-quick.png").stat().st_size > 0
+
+
+def test_balanced_accuracy_against_hand_computed():
+    """The transfer benchmark's score: the mean over classes of each class's recall, whatever the class sizes."""
+    from benchmarks.pretrain import balanced_accuracy
+
+    gold = [0, 0, 0, 0, 1, 1, 2, 2]
+    predicted = [0, 0, 0, 1, 1, 0, 2, 2]  # recalls 3/4, 1/2, 2/2
+    assert balanced_accuracy(predicted, gold) == pytest.approx((0.75 + 0.5 + 1.0) / 3)
 
 
 def test_int8_benchmark_reports_every_path(tmp_path):

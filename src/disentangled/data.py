@@ -162,17 +162,22 @@ def pretraining_lines(count: int = 3000, seed: int = 0) -> list[str]:
 
 def capital_examples(count: int, cities: list[str] | None = None, seed: int = 0) -> list[dict]:
     """`{"text", "label"}`: "CITY is the capital of COUNTRY." labelled "true" when the pair matches (as in
-    `pretraining_lines`), else "false"; balanced. `cities` restricts the cities asked about, so a task can
-    fine-tune on some cities and evaluate on the others: only a model that learned the facts can transfer."""
+    `pretraining_lines`), else "false"; balanced. `cities` (at least two) restricts the cities asked about, and the
+    countries to theirs, so that each country is as often in a true sentence as in a false one: a task can fine-tune
+    on some cities and evaluate on the others, and no country alone gives the label away (with every country in the
+    false sentences, those of the held-out cities were "false" words in training, the opposite of the answer)."""
     rng = random.Random(seed)
     cities = cities or CITIES
+    if len(cities) < 2:
+        raise ValueError(f"capital_examples needs at least two cities to draw false pairs from, got {cities}")
+    countries = [COUNTRIES[CITIES.index(city)] for city in cities]
     rows = []
     for index in range(count):
         city = rng.choice(cities)
         country = COUNTRIES[CITIES.index(city)]
         true = index % 2 == 0
         if not true:
-            country = rng.choice([other for other in COUNTRIES if other != country])
+            country = rng.choice([other for other in countries if other != country])
         rows.append({"text": f"{city} is the capital of {country}.", "label": "true" if true else "false"})
     rng.shuffle(rows)
     return rows
