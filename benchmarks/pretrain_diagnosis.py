@@ -21,6 +21,9 @@ Variants (each one change from `old`, the recipe the issue ran, unless it says o
   no-clip        zero-delta without gradient clipping
   init-0.1       zero-delta with weights drawn with std 0.1 instead of 0.02 (initializer_range)
   init-0.1-lr-1e-3       the same at learning rate 1e-3 (the tiny preset's recipe now)
+  default-1000-steps     that recipe for 1,000 steps (whatever --steps says)
+  default-generator-1-layer, default-generator-narrow   that recipe with a weaker generator: one layer of the
+                         discriminator's four, or half its width (ELECTRA's advice: a quarter to half the size)
 
 Writes docs/pretraining/diagnosis.json and diagnosis.png, and appends a record to benchmarks/records/pretrain_diagnosis.jsonl.
 """
@@ -48,6 +51,10 @@ VARIANTS = {
     "no-clip": dict(delta="zero", clip="none"),
     "init-0.1": dict(delta="zero", init=0.1),
     "init-0.1-lr-1e-3": dict(delta="zero", init=0.1, lr=1e-3),
+    # the recipe `disentangled pretrain --config tiny` uses now (init-0.1-lr-1e-3), longer or with a weaker generator
+    "default-1000-steps": dict(delta="zero", init=0.1, lr=1e-3, steps=1000),
+    "default-generator-1-layer": dict(delta="zero", init=0.1, lr=1e-3, generator="1-layer"),
+    "default-generator-narrow": dict(delta="zero", init=0.1, lr=1e-3, generator="half-width"),
 }
 
 
@@ -81,7 +88,7 @@ def build(settings: dict, tokenizer, seed: int):
 
     shape = {**PRESETS["tiny"], "initializer_range": settings["init"]}
     config = DisentangledConfig(**V3, **shape, vocab_size=len(tokenizer), pad_token_id=0)
-    gen_config = generator_config(config)
+    gen_config = generator_config(config, 1 if settings["generator"] == "1-layer" else None)
     sharing = "gdes"
     if settings["generator"] == "half-width":
         gen_config = generator_config(config, config.num_hidden_layers)
@@ -215,10 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads(output.read_text()) if output.is_file() else {}
     for name in args.variants:
         settings = {**BASE, **VARIANTS[name]}
-        curve = train(
-            name, settings, tokenizer, sequences, held_out, args.steps, args.batch, args.eval_every, args.seed
-        )
-        results[name] = {"settings": settings, "curve": curve, "steps": args.steps, "seed": args.seed}
+        steps = settings.pop("steps", args.steps)
+        curve = train(name, settings, tokenizer, sequences, held_out, steps, args.batch, args.eval_every, args.seed)
+        results[name] = {"settings": settings, "curve": curve, "steps": steps, "seed": args.seed}
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(results, indent=1) + "\n")
     plot(results, figure)
