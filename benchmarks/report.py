@@ -288,6 +288,17 @@ def draw_int8(plt, data: dict):
     return figure
 
 
+def newest_per_corpus(records: list[dict]) -> list[dict]:
+    """Per corpus of the transfer benchmark, the newest record that ran it, cut down to that corpus (a rerun of one
+    corpus replaces that corpus only)."""
+    newest = {}
+    for record in records:
+        for corpus in record["figures"]["corpora"]:
+            figures = record["figures"] | {"corpora": {corpus: record["figures"]["corpora"][corpus]}}
+            newest[corpus] = record | {"figures": figures}
+    return list(newest.values())
+
+
 def transfer_data(record: dict) -> dict:
     """The transfer figure's numbers: per corpus and task, per arm, the fine-tuned test accuracy's mean, min, max."""
     figures = record["figures"]
@@ -368,16 +379,18 @@ def generate(records: Path = RECORDS) -> tuple[dict[Path, str], dict[Path, dict]
         sections += [
             (Path("docs/pretraining.md"), "demo", provenance(demos[-1]) + "\n\n" + demo.markdown(demos[-1]["figures"]))
         ]
-    transfers = read_records("pretrain", records)
-    if transfers:  # the pretraining page's transfer table and figure: the newest run
-        body = provenance(transfers[-1]) + "\n\n" + pretrain.markdown(transfers[-1]["figures"])
+    transfers = newest_per_corpus(read_records("pretrain", records))
+    if transfers:  # the pretraining page's transfer tables and figure: per corpus, the newest run that had it
+        body = "\n\n".join(provenance(record) + "\n\n" + pretrain.markdown(record["figures"]) for record in transfers)
         sections += [(Path("docs/pretraining.md"), "transfer", body)]
     texts = {}
     for path, name, body in sections:
         texts[path] = replace_section(texts.get(path, (ROOT / path).read_text()), name, body)
     figures = {Path("docs/performance") / name: data for name, data in figure_data(runs, memories, int8s).items()}
     if transfers:
-        figures[Path("docs/pretraining/transfer.png")] = transfer_data(transfers[-1])
+        figures[Path("docs/pretraining/transfer.png")] = {
+            task: rows for record in transfers for task, rows in transfer_data(record).items()
+        }
     return texts, figures
 
 

@@ -52,3 +52,27 @@ def test_a_page_without_its_section_is_refused():
         report.replace_section("# a page\n", "summary", "body")
     text = f"a\n{report.BEGIN.format(name='x')}\nold\n{report.END}\nb\n"
     assert report.replace_section(text, "x", "new") == f"a\n{report.BEGIN.format(name='x')}\nnew\n{report.END}\nb\n"
+
+
+def test_transfer_tables_take_each_corpus_from_its_newest_run(tmp_path):
+    """A rerun of one corpus of benchmarks.pretrain replaces that corpus's table and bars only."""
+
+    def corpus(accuracy: float) -> dict:
+        test = {"mean": accuracy, "std": 0.0, "min": accuracy, "max": accuracy, "seeds": [accuracy]}
+        arm = {"test": test, "probe_cls": test, "probe_mean": test, "learning_rates": [1e-3]}
+        return {"seeds": [0], "tasks": {"task": {"none": arm, "mlm": arm}}, "pretraining": {"mlm": {}}}
+
+    settings = {"steps": 3, "batch": 2, "tiny_learning_rate": 1e-3, "epochs": 1, "learning_rates": [1e-3]}
+    both = {"settings": settings, "arms": ["none", "mlm"], "corpora": {"real": corpus(0.1), "generated": corpus(0.2)}}
+    append_record("pretrain", both, command=["both"], folder=tmp_path)
+    append_record("pretrain", both | {"corpora": {"generated": corpus(0.3)}}, command=["rerun"], folder=tmp_path)
+    chosen = report.newest_per_corpus(read_records("pretrain", tmp_path))
+    assert [(r["command"], list(r["figures"]["corpora"])) for r in chosen] == [
+        ("both", ["real"]),
+        ("rerun", ["generated"]),
+    ]
+    bars = {task: rows for record in chosen for task, rows in report.transfer_data(record).items()}
+    assert bars == {
+        "real: task": [("none", 0.1, 0.1, 0.1), ("mlm", 0.1, 0.1, 0.1)],
+        "generated: task": [("none", 0.3, 0.3, 0.3), ("mlm", 0.3, 0.3, 0.3)],
+    }
