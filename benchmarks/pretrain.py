@@ -539,6 +539,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--corpora", nargs="+", choices=list(CORPORA), default=list(CORPORA))
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="pretrained arms")
     parser.add_argument("--steps", type=int, help=f"pretraining steps per mode (default {FULL['steps']})")
+    parser.add_argument(
+        "--learning-rates",
+        type=float,
+        nargs="+",
+        help=f"fine-tuning rates to choose from (default {FULL['learning_rates']})",
+    )
     parser.add_argument("--workers", type=int, default=2, help="jobs (corpus, seed) run side by side")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--speed", action="store_true", help="also time an RTD step against its models' steps")
@@ -549,6 +555,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--quick needs --out DIR (a smoke run is not a record)")
     settings = dict(QUICK if args.quick else FULL)
     settings["steps"] = args.steps or settings["steps"]
+    settings["learning_rates"] = tuple(args.learning_rates or settings["learning_rates"])
     command = "python -m benchmarks.pretrain " + " ".join(argv if argv is not None else sys.argv[1:])
     arms = ["none", *args.modes]
     started = time.perf_counter()
