@@ -545,6 +545,7 @@ def main(argv: list[str] | None = None) -> dict:
         nargs="+",
         help=f"fine-tuning rates to choose from (default {FULL['learning_rates']})",
     )
+    parser.add_argument("--epochs", type=float, help=f"fine-tuning epochs (default {FULL['epochs']:g})")
     parser.add_argument("--workers", type=int, default=2, help="jobs (corpus, seed) run side by side")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--speed", action="store_true", help="also time an RTD step against its models' steps")
@@ -556,6 +557,7 @@ def main(argv: list[str] | None = None) -> dict:
     settings = dict(QUICK if args.quick else FULL)
     settings["steps"] = args.steps or settings["steps"]
     settings["learning_rates"] = tuple(args.learning_rates or settings["learning_rates"])
+    settings["epochs"] = args.epochs or settings["epochs"]
     command = "python -m benchmarks.pretrain " + " ".join(argv if argv is not None else sys.argv[1:])
     arms = ["none", *args.modes]
     started = time.perf_counter()
