@@ -496,14 +496,20 @@ def markdown(figures: dict) -> str:
         f"{', '.join(f'{rate:g}' for rate in settings['learning_rates'])} on validation. Test balanced accuracy (chance: "
         "1 / classes), mean ± standard deviation over seeds; probes: logistic regression on frozen features; the "
         "discriminator's held-out ROC-AUC on the generator's and on uniformly random replacements; held-out accuracy "
-        "on masked tokens (RTD: the generator's). One thread per job, two jobs side by side."
+        "on masked tokens (RTD: the generator's)."
+        + (
+            f" {settings['threads']} thread(s) per job, {settings['workers']} job(s) side by side."
+            if "workers" in settings
+            else ""
+        )
     ]
     for corpus, report in figures["corpora"].items():
         tasks = list(report["tasks"])
         head = ["arm"] + [f"{task}: fine-tuned" for task in tasks]
         head += [f"{task}: probe [CLS] / mean" for task in tasks]
         head += ["disc. AUC (generator's / random repl.)", "masked-token acc."]
-        lines = [f"**{corpus} text** (seeds {', '.join(map(str, report['seeds']))})", ""]
+        length = CORPORA[corpus]["length"]
+        lines = [f"**{corpus} text** ({length}-token sequences; seeds {', '.join(map(str, report['seeds']))})", ""]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for arm in figures["arms"]:
             row = [arm if arm != "none" else "no pretraining"]
@@ -580,7 +586,8 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             results = [run_job(job | {"here": True}) for job in jobs]
         figures = {
-            "settings": settings | {"tiny_learning_rate": tiny_recipe()},
+            "settings": settings
+            | {"tiny_learning_rate": tiny_recipe(), "workers": args.workers, "threads": args.threads},
             "arms": arms,
             "words": {name: corpus["words"] for name, corpus in corpora.items()},
             "corpora": aggregate(results, arms),
