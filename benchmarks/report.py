@@ -95,7 +95,8 @@ def memory_table(record: dict) -> list[str]:
     memory = record["figures"]["memory"]
     lengths = sorted({int(length) for points in memory.values() for length in points})
     lines = [
-        "Peak memory over the loaded model (1 layer, batch 1, forward; seconds for the forward in brackets):",
+        f"Peak memory over the loaded model ({record['figures'].get('dtype', 'float32')}, 1 layer, batch 1, forward; "
+        "seconds for the forward in brackets):",
         "",
         "| model | " + " | ".join(f"{length:,}" for length in lengths) + " |",
         "|---" * (len(lengths) + 1) + "|",
@@ -223,7 +224,7 @@ def figure_data(runs: list[dict], memories: list[dict], int8s: list[dict]) -> di
             for r in runs
         },
         "memory.png": {
-            short_processor(r["processor"]): {
+            f"{short_processor(r['processor'])} {r['figures'].get('dtype', 'float32')}": {
                 model: sorted(
                     (int(length), p["peak_gib"] - p["baseline_gib"]) for length, p in points.items() if p["ok"]
                 )
