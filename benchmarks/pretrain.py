@@ -250,6 +250,28 @@ def features(model, tokenizer, rows: list[dict], length: int) -> dict[str, torch
     return {"cls": torch.cat(cls), "mean": torch.cat(mean)}
 
 
+@torch.no_grad()
+def sinks(model, tokenizer, rows: list[dict], length: int) -> dict[str, list[float]]:
+    """Attention sinks: per layer, the attention probability that ordinary tokens give [CLS] and [SEP] (mean over
+    heads and over every ordinary query of every text). A model that attends uniformly gives each about 1 / length."""
+    totals, queries_seen = {"cls": 0.0, "sep": 0.0}, 0.0
+    for start in range(0, len(rows), 64):
+        texts = [row["text"] for row in rows[start : start + 64]]
+        batch = tokenizer(texts, truncation=True, max_length=length, padding=True, return_tensors="pt")
+        special = torch.tensor(
+            [tokenizer.get_special_tokens_mask(ids, already_has_special_tokens=True) for ids in batch["input_ids"]]
+        )
+        queries = (batch["attention_mask"].bool() & (special == 0)).float()  # [B, L]
+        last = batch["attention_mask"].sum(1) - 1  # [SEP]: the last real token of each text
+        probabilities = torch.stack(model(**batch, output_attentions=True).attentions).mean(2)  # [layers, B, L, L]
+        to_cls = probabilities[..., 0]  # [layers, B, L]
+        to_sep = probabilities.gather(3, last.view(1, -1, 1, 1).expand(*probabilities.shape[:3], 1))[..., 0]
+        totals["cls"] = totals["cls"] + (to_cls * queries).sum((1, 2))
+        totals["sep"] = totals["sep"] + (to_sep * queries).sum((1, 2))
+        queries_seen += float(queries.sum())
+    return {token: (total / queries_seen).tolist() for token, total in totals.items()}
+
+
 def logistic_regression(x: torch.Tensor, y: torch.Tensor, classes: int, l2: float) -> torch.Tensor:
     """Weights [features + 1, classes] of a multinomial logistic regression with an L2 penalty, fitted by L-BFGS."""
     x = torch.cat([x, torch.ones(len(x), 1)], 1)
@@ -267,7 +289,8 @@ def logistic_regression(x: torch.Tensor, y: torch.Tensor, classes: int, l2: floa
 
 
 def probe(encoder, tokenizer, splits: dict, labels: list[str], length: int, seed: int) -> dict[str, float]:
-    """Test balanced accuracy of a linear probe on frozen [CLS] states and on mean-pooled states."""
+    """Test balanced accuracy of a linear probe on frozen [CLS] states and on mean-pooled states, and the attention
+    sinks on the test texts."""
     from disentangled import DisentangledModel
 
     model = new_encoder(DisentangledModel, encoder, len(tokenizer), seed).eval()
@@ -286,6 +309,7 @@ def probe(encoder, tokenizer, splits: dict, labels: list[str], length: int, seed
         fits = [logistic_regression(x["train"], gold["train"], len(labels), l2) for l2 in (1e-4, 1e-3, 1e-2, 1e-1)]
         best = max(fits, key=lambda weights: scored(weights, "validation"))
         result[kind] = scored(best, "test")
+    result["sinks"] = sinks(model, tokenizer, splits["test"], length)
     return result
 
 
@@ -464,6 +488,13 @@ def aggregate(results: list[dict], arms: list[str]) -> dict:
                     "test": summary([r["tasks"][task][arm]["test"] for r in mine]),
                     "probe_cls": summary([r["tasks"][task][arm]["probe"]["cls"] for r in mine]),
                     "probe_mean": summary([r["tasks"][task][arm]["probe"]["mean"] for r in mine]),
+                    **{
+                        f"sink_{token}": summary(
+                            [statistics.fmean(r["tasks"][task][arm]["probe"]["sinks"][token]) for r in mine]
+                        )
+                        for token in ("cls", "sep")
+                        if all("sinks" in r["tasks"][task][arm]["probe"] for r in mine)
+                    },
                     "learning_rates": [r["tasks"][task][arm]["learning_rate"] for r in mine],
                 }
                 for arm in arms
@@ -522,6 +553,19 @@ def markdown(figures: dict) -> str:
             auc = f"{cell(pre.get('auc'))} / {cell(pre.get('random_auc'))}" if pre.get("auc") else "-"
             row += [auc, cell(pre.get("masked_accuracy"))]
             lines.append("| " + " | ".join(row) + " |")
+        first = report["tasks"][tasks[0]]
+        if "sink_cls" in first["none"]:
+            lines += [
+                "",
+                f"Attention sinks on the {tasks[0]} test texts: the attention ordinary tokens give [CLS] and [SEP], "
+                "mean over layers, heads and queries (uniform attention: about 1 / length).",
+                "",
+                "| arm | on [CLS] | on [SEP] |",
+                "|---|---|---|",
+            ]
+            for arm in figures["arms"]:
+                name = arm if arm != "none" else "no pretraining"
+                lines.append(f"| {name} | {cell(first[arm]['sink_cls'])} | {cell(first[arm]['sink_sep'])} |")
         blocks.append("\n".join(lines))
     if figures.get("speed"):
         fast = figures["speed"]

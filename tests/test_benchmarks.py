@@ -185,6 +185,9 @@ def test_pretraining_benchmark_reports_every_arm(tmp_path):
                 assert tried[result["learning_rate"]][0] == max(scores[0] for scores in tried.values())
                 assert result["test"] == tried[result["learning_rate"]][1]
                 assert all(0.0 <= result["probe"][kind] <= 1.0 for kind in ("cls", "mean"))
+                for token in ("cls", "sep"):  # a figure per layer of the tiny shape, each a probability
+                    assert len(result["probe"]["sinks"][token]) == 4
+                    assert all(0.0 <= value <= 1.0 for value in result["probe"]["sinks"][token])
                 summary = saved["corpora"][job["corpus"]]["tasks"][task][arm]["test"]
                 assert summary["seeds"] == [result["test"]] and summary["std"] == 0.0
         for mode, figures in job["pretraining"].items():
@@ -194,7 +197,8 @@ def test_pretraining_benchmark_reports_every_arm(tmp_path):
         # es shares one table: the generator's and discriminator's embedding of a token are the same vector
         assert abs(job["pretraining"]["rtd-es"]["embeddings"]["between"] - 1.0) < 1e-5
     for arm in ("no pretraining", "mlm", "rtd-none", "rtd-es", "rtd-gdes"):
-        assert saved["markdown"].count(f"| {arm} |") == 2  # a row in each corpus's table
+        assert saved["markdown"].count(f"| {arm} |") == 4  # a row in each corpus's two tables (scores, sinks)
+    assert saved["markdown"].count("Attention sinks on the") == 2
     assert set(saved["speed"]["ratio"]) == {"rtd-none", "rtd-es", "rtd-gdes"}
     assert all(tokens_per_s > 0 for tokens_per_s in saved["speed"]["pipeline"].values())
 
@@ -340,3 +344,36 @@ def test_pretraining_diagnosis_smoke(tmp_path):
         assert result["curve"]["step"] == [2]
         assert all(0.0 <= result["curve"][key][0] <= 1.0 for key in ("auc", "random_auc", "generator_accuracy"))
     assert output.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_attention_sinks_against_hand_computed():
+    """The transfer benchmark's sinks: the attention that ordinary tokens (not [CLS], [SEP] or padding) give [CLS]
+    and the text's own [SEP], averaged over every such query of every text, per layer."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.pretrain import sinks
+
+    ids = torch.tensor([[1, 5, 6, 2], [1, 7, 2, 0]])  # [CLS]=1, [SEP]=2, padding 0
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+
+    class Tokenizer:
+        def __call__(self, texts, **kwargs):
+            return {"input_ids": ids[: len(texts)], "attention_mask": mask[: len(texts)]}
+
+        def get_special_tokens_mask(self, row, already_has_special_tokens):
+            return [int(token in (1, 2)) for token in row.tolist()]
+
+    layer = torch.zeros(2, 2, 4, 4)  # [B, H, L, L]; the heads average to these rows
+    layer[0, :, 1] = torch.tensor([0.5, 0.2, 0.2, 0.1])
+    layer[0, :, 2] = torch.tensor([[0.2, 0.4, 0.2, 0.2], [0.4, 0.2, 0.2, 0.2]])  # heads: mean [0.3, 0.3, 0.2, 0.2]
+    layer[1, :, 1] = torch.tensor([0.1, 0.2, 0.7, 0.0])
+    layer[:, :, 0] = layer[:, :, 3] = torch.tensor([1.0, 0.0, 0.0, 0.0])  # special queries: not counted
+    model = lambda **kwargs: SimpleNamespace(attentions=(layer, layer.roll(1, dims=-1)))  # noqa: E731
+    found = sinks(model, Tokenizer(), [{"text": "a"}, {"text": "b"}], length=4)
+    assert found["cls"][0] == pytest.approx((0.5 + 0.3 + 0.1) / 3)
+    assert found["sep"][0] == pytest.approx((0.1 + 0.2 + 0.7) / 3)
+    # second layer, every row shifted one key to the right: [CLS] gets what the last key had, [SEP] the one before
+    assert found["cls"][1] == pytest.approx((0.1 + 0.2 + 0.0) / 3)
+    assert found["sep"][1] == pytest.approx((0.2 + 0.2 + 0.2) / 3)
