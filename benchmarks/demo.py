@@ -18,6 +18,7 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 PATTERNS = {
     "masked_accuracy": r"accuracy on masked tokens \d\.\d+ -> (\d\.\d+)",
@@ -85,8 +86,6 @@ def main(argv: list[str] | None = None) -> dict:
         figures["seeds"].append(run_seed(seed))
         print(figures["seeds"][-1], flush=True)
     print(markdown(figures))
-    from pathlib import Path
-
     from benchmarks.records import RECORDS, append_record
 
     command = ["python", "-m", "benchmarks.demo", *(argv if argv is not None else sys.argv[1:])]

@@ -50,6 +50,8 @@ from pathlib import Path
 
 import torch
 
+from disentangled.pretrain import SCRATCH_LEARNING_RATES
+
 ARMS = ("none", "mlm", "rtd-none", "rtd-es", "rtd-gdes")
 MODES = ARMS[1:]  # the pretrained arms
 CORPORA = {
@@ -105,9 +107,9 @@ def write_corpus(name: str, folder: Path, settings: dict) -> dict:
     tasks = {task: {name: rows[: settings["rows"]] for name, rows in splits.items()} for task, splits in tasks.items()}
     (folder / "train.txt").write_text("\n".join(train) + "\n")
     (folder / "validation.txt").write_text("\n".join(validation) + "\n")
-    spm_file = data.train_sentencepiece(folder / "tokenizer", tokenizer_text, vocab_size=CORPORA[name]["vocab_size"])
+    data.train_sentencepiece(folder / "tokenizer", tokenizer_text, vocab_size=CORPORA[name]["vocab_size"])
     (folder / "tasks.json").write_text(json.dumps(tasks))
-    return {"folder": str(folder), "spm": str(spm_file), "words": sum(len(line.split()) for line in train)}
+    return {"folder": str(folder), "words": sum(len(line.split()) for line in train)}
 
 
 # -- one arm's pretraining ------------------------------------------------------------------------------------------
@@ -128,9 +130,9 @@ def pretrain_arguments(mode: str, corpus: str, data: Path, output: Path, setting
     return arguments + ["--output-dir", str(output)]
 
 
-def pretrain(mode: str, corpus: str, data: Path, output: Path, settings: dict, seed: int, tokenizer) -> dict:
+def pretrain(mode: str, corpus: str, data: Path, output: Path, settings: dict, seed: int, held_out_batch) -> dict:
     """Run the command in this process; the held-out figures of its final check, and for RTD the discriminator's
-    ROC-AUC on uniformly random replacements of the held-out text."""
+    ROC-AUC on uniformly random replacements of `held_out_batch` (input ids, attention mask, replaceable ids)."""
     from disentangled import cli
 
     arguments = pretrain_arguments(mode, corpus, data, output, settings, seed)
@@ -142,28 +144,32 @@ def pretrain(mode: str, corpus: str, data: Path, output: Path, settings: dict, s
     if mode == "mlm":
         result["masked_accuracy"] = held_out.get("held_out_masked_accuracy")
         return result
+    from disentangled import DisentangledForMaskedLM
     from disentangled.modeling import DisentangledForReplacedTokenDetection
     from disentangled.pretraining import random_replacement_auc
 
     result["auc"] = held_out.get("held_out_discriminator_auc")
     result["masked_accuracy"] = held_out.get("held_out_generator_accuracy")
-    lines = (data / "validation.txt").read_text().splitlines()[:2000]
-    batch = tokenizer(lines, truncation=True, max_length=CORPORA[corpus]["length"], padding=True, return_tensors="pt")
-    special = torch.tensor(sorted(set(tokenizer.all_special_ids)))
-    ordinary = torch.tensor([i for i in range(len(tokenizer)) if i not in set(special.tolist())])
     discriminator = DisentangledForReplacedTokenDetection.from_pretrained(output / "discriminator")
-    result["random_auc"] = random_replacement_auc(
-        discriminator, batch["input_ids"], batch["attention_mask"], ordinary, seed=seed
-    )
-    result["embeddings"] = embedding_similarity(output)
+    result["random_auc"] = random_replacement_auc(discriminator, *held_out_batch, seed=seed)
+    generator = DisentangledForMaskedLM.from_pretrained(output / "generator")
+    result["embeddings"] = embedding_similarity(generator, discriminator)
     return result
 
 
-def embedding_similarity(output: Path) -> dict:
+def held_out_batch(data: Path, tokenizer, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first 2,000 held-out lines, padded, and the ids a random replacement draws from (the rtd masking's)."""
+    from disentangled.pretraining import MaskingCollator
+
+    lines = (data / "validation.txt").read_text().splitlines()[:2000]
+    batch = tokenizer(lines, truncation=True, max_length=length, padding=True, return_tensors="pt")
+    replaceable = MaskingCollator(tokenizer, objective="rtd")._random_ids
+    return batch["input_ids"], batch["attention_mask"], replaceable
+
+
+def embedding_similarity(generator, discriminator) -> dict:
     """The v3 paper's Table 2 (average pairwise cosine similarity of token embeddings within each model) and the
     average cosine similarity between the generator's and the discriminator's embedding of each token."""
-    from disentangled import DisentangledForMaskedLM
-    from disentangled.modeling import DisentangledForReplacedTokenDetection
 
     def within(table: torch.Tensor) -> float:
         unit = torch.nn.functional.normalize(table, dim=-1)
@@ -171,8 +177,6 @@ def embedding_similarity(output: Path) -> dict:
         count = len(table)
         return float((similarity.sum() - similarity.diagonal().sum()) / (count * (count - 1)))
 
-    generator = DisentangledForMaskedLM.from_pretrained(output / "generator")
-    discriminator = DisentangledForReplacedTokenDetection.from_pretrained(output / "discriminator")
     gen_table = generator.deberta.embeddings.word_embeddings.weight.detach()
     disc_table = discriminator.deberta.embeddings.word_embeddings.weight.detach()
     between = torch.nn.functional.cosine_similarity(gen_table, disc_table, dim=-1).mean()
@@ -237,33 +241,36 @@ def fine_tune(encoder, tokenizer, splits: dict, labels: list[str], length: int, 
 
 
 @torch.no_grad()
-def features(model, tokenizer, rows: list[dict], length: int) -> dict[str, torch.Tensor]:
-    """Frozen last-layer features of each text: the [CLS] state and the mean of its tokens' states."""
-    cls, mean = [], []
+def features(model, tokenizer, rows: list[dict], length: int, with_sinks: bool = False) -> dict:
+    """Frozen last-layer features of each text: the [CLS] state and the mean of its tokens' states; `with_sinks`:
+    also the attention sinks of these texts (`sinks`), from the same forward passes."""
+    cls, mean, attended = [], [], []
     for start in range(0, len(rows), 64):
         texts = [row["text"] for row in rows[start : start + 64]]
         batch = tokenizer(texts, truncation=True, max_length=length, padding=True, return_tensors="pt")
-        hidden = model(**batch).last_hidden_state
+        out = model(**batch, output_attentions=with_sinks)
+        hidden = out.last_hidden_state
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         cls.append(hidden[:, 0])
         mean.append((hidden * mask).sum(1) / mask.sum(1))
-    return {"cls": torch.cat(cls), "mean": torch.cat(mean)}
+        if with_sinks:
+            special = [
+                tokenizer.get_special_tokens_mask(ids, already_has_special_tokens=True) for ids in batch["input_ids"]
+            ]
+            attended.append((out.attentions, batch["attention_mask"], torch.tensor(special)))
+    found = {"cls": torch.cat(cls), "mean": torch.cat(mean)}
+    return found | ({"sinks": sinks(attended)} if with_sinks else {})
 
 
-@torch.no_grad()
-def sinks(model, tokenizer, rows: list[dict], length: int) -> dict[str, list[float]]:
+def sinks(batches: list[tuple]) -> dict[str, list[float]]:
     """Attention sinks: per layer, the attention probability that ordinary tokens give [CLS] and [SEP] (mean over
-    heads and over every ordinary query of every text). A model that attends uniformly gives each about 1 / length."""
+    heads and over every ordinary query of every text). `batches`: (attentions per layer [B, H, L, L], attention mask,
+    special-tokens mask) of each batch. A model that attends uniformly gives each about 1 / length."""
     totals, queries_seen = {"cls": 0.0, "sep": 0.0}, 0.0
-    for start in range(0, len(rows), 64):
-        texts = [row["text"] for row in rows[start : start + 64]]
-        batch = tokenizer(texts, truncation=True, max_length=length, padding=True, return_tensors="pt")
-        special = torch.tensor(
-            [tokenizer.get_special_tokens_mask(ids, already_has_special_tokens=True) for ids in batch["input_ids"]]
-        )
-        queries = (batch["attention_mask"].bool() & (special == 0)).float()  # [B, L]
-        last = batch["attention_mask"].sum(1) - 1  # [SEP]: the last real token of each text
-        probabilities = torch.stack(model(**batch, output_attentions=True).attentions).mean(2)  # [layers, B, L, L]
+    for attentions, attention_mask, special in batches:
+        queries = (attention_mask.bool() & (special == 0)).float()  # [B, L]
+        last = attention_mask.sum(1) - 1  # [SEP]: the last real token of each text
+        probabilities = torch.stack(attentions).mean(2)  # [layers, B, L, L]
         to_cls = probabilities[..., 0]  # [layers, B, L]
         to_sep = probabilities.gather(3, last.view(1, -1, 1, 1).expand(*probabilities.shape[:3], 1))[..., 0]
         totals["cls"] = totals["cls"] + (to_cls * queries).sum((1, 2))
@@ -295,7 +302,7 @@ def probe(encoder, tokenizer, splits: dict, labels: list[str], length: int, seed
 
     model = new_encoder(DisentangledModel, encoder, len(tokenizer), seed).eval()
     gold = {name: torch.tensor([labels.index(row["label"]) for row in rows]) for name, rows in splits.items()}
-    found = {name: features(model, tokenizer, rows, length) for name, rows in splits.items()}
+    found = {name: features(model, tokenizer, rows, length, name == "test") for name, rows in splits.items()}
     result = {}
     for kind in ("cls", "mean"):
         train = found["train"][kind]
@@ -309,7 +316,7 @@ def probe(encoder, tokenizer, splits: dict, labels: list[str], length: int, seed
         fits = [logistic_regression(x["train"], gold["train"], len(labels), l2) for l2 in (1e-4, 1e-3, 1e-2, 1e-1)]
         best = max(fits, key=lambda weights: scored(weights, "validation"))
         result[kind] = scored(best, "test")
-    result["sinks"] = sinks(model, tokenizer, splits["test"], length)
+    result["sinks"] = found["test"]["sinks"]
     return result
 
 
@@ -336,9 +343,10 @@ def run_job(job: dict) -> dict:
     work = Path(job["work"]) / f"{corpus}-seed{seed}"
     result = {"corpus": corpus, "seed": seed, "pretraining": {}, "tasks": {}}
     encoders = {"none": None}
+    held_out = held_out_batch(data, tokenizer, length)
     for mode in job["modes"]:
         output = work / mode
-        result["pretraining"][mode] = pretrain(mode, corpus, data, output, settings, seed, tokenizer)
+        result["pretraining"][mode] = pretrain(mode, corpus, data, output, settings, seed, held_out)
         transformers.logging.set_verbosity_error()
         encoders[mode] = output if mode == "mlm" else output / "discriminator"
         print(f"{corpus} seed {seed} {mode}: {result['pretraining'][mode]}", flush=True)
@@ -631,7 +639,7 @@ def main(argv: list[str] | None = None) -> dict:
             results = [run_job(job | {"here": True}) for job in jobs]
         figures = {
             "settings": settings
-            | {"tiny_learning_rate": tiny_recipe(), "workers": args.workers, "threads": args.threads},
+            | {"tiny_learning_rate": SCRATCH_LEARNING_RATES["tiny"], "workers": args.workers, "threads": args.threads},
             "arms": arms,
             "words": {name: corpus["words"] for name, corpus in corpora.items()},
             "corpora": aggregate(results, arms),
@@ -654,12 +662,6 @@ def main(argv: list[str] | None = None) -> dict:
 
         append_record("pretrain", figures, command=command.split(), folder=args.records or RECORDS)
     return figures
-
-
-def tiny_recipe() -> float:
-    from disentangled.pretrain import SCRATCH_LEARNING_RATES
-
-    return SCRATCH_LEARNING_RATES["tiny"]
 
 
 if __name__ == "__main__":

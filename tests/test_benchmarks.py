@@ -349,31 +349,27 @@ def test_pretraining_diagnosis_smoke(tmp_path):
 def test_attention_sinks_against_hand_computed():
     """The transfer benchmark's sinks: the attention that ordinary tokens (not [CLS], [SEP] or padding) give [CLS]
     and the text's own [SEP], averaged over every such query of every text, per layer."""
-    from types import SimpleNamespace
-
     import torch
 
     from benchmarks.pretrain import sinks
 
     ids = torch.tensor([[1, 5, 6, 2], [1, 7, 2, 0]])  # [CLS]=1, [SEP]=2, padding 0
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
-
-    class Tokenizer:
-        def __call__(self, texts, **kwargs):
-            return {"input_ids": ids[: len(texts)], "attention_mask": mask[: len(texts)]}
-
-        def get_special_tokens_mask(self, row, already_has_special_tokens):
-            return [int(token in (1, 2)) for token in row.tolist()]
-
+    special = ((ids == 1) | (ids == 2)).long()
     layer = torch.zeros(2, 2, 4, 4)  # [B, H, L, L]; the heads average to these rows
     layer[0, :, 1] = torch.tensor([0.5, 0.2, 0.2, 0.1])
     layer[0, :, 2] = torch.tensor([[0.2, 0.4, 0.2, 0.2], [0.4, 0.2, 0.2, 0.2]])  # heads: mean [0.3, 0.3, 0.2, 0.2]
     layer[1, :, 1] = torch.tensor([0.1, 0.2, 0.7, 0.0])
     layer[:, :, 0] = layer[:, :, 3] = torch.tensor([1.0, 0.0, 0.0, 0.0])  # special queries: not counted
-    model = lambda **kwargs: SimpleNamespace(attentions=(layer, layer.roll(1, dims=-1)))  # noqa: E731
-    found = sinks(model, Tokenizer(), [{"text": "a"}, {"text": "b"}], length=4)
-    assert found["cls"][0] == pytest.approx((0.5 + 0.3 + 0.1) / 3)
-    assert found["sep"][0] == pytest.approx((0.1 + 0.2 + 0.7) / 3)
-    # second layer, every row shifted one key to the right: [CLS] gets what the last key had, [SEP] the one before
-    assert found["cls"][1] == pytest.approx((0.1 + 0.2 + 0.0) / 3)
-    assert found["sep"][1] == pytest.approx((0.2 + 0.2 + 0.2) / 3)
+    attentions = (layer, layer.roll(1, dims=-1))
+    # the same texts as one batch and as two batches of one: a mean over queries, not over batches
+    for batches in (
+        [(attentions, mask, special)],
+        [((a[:1] for a in attentions), mask[:1], special[:1]), ((a[1:] for a in attentions), mask[1:], special[1:])],
+    ):
+        found = sinks([(tuple(a), m, s) for a, m, s in batches])
+        assert found["cls"][0] == pytest.approx((0.5 + 0.3 + 0.1) / 3)
+        assert found["sep"][0] == pytest.approx((0.1 + 0.2 + 0.7) / 3)
+        # second layer, every row shifted one key to the right: [CLS] gets what the last key had, [SEP] the one before
+        assert found["cls"][1] == pytest.approx((0.1 + 0.2 + 0.0) / 3)
+        assert found["sep"][1] == pytest.approx((0.2 + 0.2 + 0.2) / 3)

@@ -48,8 +48,6 @@ def test_demo_runs_end_to_end(tmp_path, seed):
     assert "parity (DebertaV2ForMaskedLM vs DisentangledForMaskedLM)" in out  # the export to transformers' format
     assert "parity (transformers" in out and "from transformers_modules." in out
     assert "`import disentangled` is blocked here" in out
-    top = re.search(r"fill-mask  'paris is the capital of \[MASK\]\.': '(\w+)' \d\.\d{3}", out)
-    assert top and top[1] == "france", out[-3000:]
     assert "hidden states of shape (1, " in out
     before = float(re.search(r"accuracy before fine-tuning: (\d\.\d+)", out)[1])
     assert 0.0 <= before <= 1.0
@@ -57,7 +55,8 @@ def test_demo_runs_end_to_end(tmp_path, seed):
     from benchmarks.demo import parse
 
     figures = parse(out)
-    assert figures["paris_answer"] == "france" and figures["masked_accuracy"] == float(reached[2])
+    assert figures["paris_answer"] == "france", out[-3000:]
+    assert figures["masked_accuracy"] == float(reached[2])
     after, from_random = figures["fine_tuned"], figures["from_random"]
     assert after >= 0.95 and after > from_random, (after, from_random)
     assert re.search(r"demo done in \d+ s", out)
