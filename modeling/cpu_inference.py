@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from . import native
 from .disentangled_attention import PositionScores, RelativePositions, _block_mask, _by_head
 from .workspace import _scratch
 
@@ -36,6 +37,11 @@ PRODUCT_COLUMNS_MULTIPLE = 16
 # Keys per band of U (`_band_table`): a band computes rows + 63 distances per key for the `rows` it is read at
 # (1.33x at 192 rows), in one product; bands of 32 and 128 keys timed slower at 4x512 and 1x2048 on a 2-core Xeon
 BAND_TABLE_KEYS = 64
+# The compiled kernel (`native.py`) makes the band's bias where it can run and a group's p2c table (U by bucket,
+# [g, H, keys, W]) holds at most this many elements (128 MiB in float32); longer inputs go by bands of U.
+KERNEL_TABLE_ELEMENTS = 1 << 25
+KERNEL_SPLIT_LENGTH = 4096
+USE_KERNEL = True  # False: the pure-PyTorch path everywhere (its tests, A/B timing)
 
 
 def _round_up(columns: int) -> int:
@@ -98,12 +104,17 @@ def _attend_by_distance(
     lowest = torch.finfo(query.dtype).min
     key_mask = mask is not None and mask.shape[-2] == 1
     near_low, near_high = positions.near
+    kernel = _kernel_tables(positions, pos_key, pos_query, query)  # None: T and U by distance, below
+    # With the kernel a dense bias costs little to make; the split pays from KERNEL_SPLIT_LENGTH tokens on
     split = CPU_FLASH_WITH_LSE and (mask is None or key_mask) and near_high - near_low + 1 < length
+    split = split and (kernel is None or length >= KERNEL_SPLIT_LENGTH)
     if not split:  # every distance is in the band
         near_low, near_high = -length, length
     width = min(length, near_high - near_low - 1)  # keys of a row in the band
     groups = -(-batch // max(1, block_elements // (heads * length * width)))  # sequences per block: balanced
     group = -(-batch // groups)
+    if kernel is not None:  # the group's p2c table within KERNEL_TABLE_ELEMENTS
+        group = max(1, min(group, KERNEL_TABLE_ELEMENTS // (heads * length * kernel.width)))
     step = max(1, min(length, block_elements // (group * heads * width)))
     # The CPU flash kernel splits the queries of a call into tiles of 32 rows below 192 rows and of 64 from there
     # on; each tile reads all its keys, so blocks of 192 rows or more read the keys half as often.
@@ -115,10 +126,14 @@ def _attend_by_distance(
     low = min(rows.start - keys.stop + 1 for rows, keys in blocks)  # the distances the bands read
     high = max(rows.stop - 1 - keys.start for rows, keys in blocks)
     # The masked keys' value in U: the dtype's minimum absorbs every term added to it (float16's would not).
-    fill_keys = key_mask and pos_query is not None and query.dtype != torch.float16
+    fill_keys = key_mask and pos_query is not None and query.dtype != torch.float16 and kernel is None
     # Kr by distance descending from `high`, Qr ascending from `low`: the distances T and U read
-    kr_descending = _rows_by_distance(pos_key, positions, high, -1, high - low + 1) if pos_key is not None else None
-    qr_ascending = _rows_by_distance(pos_query, positions, low, 1, high - low + 1) if pos_query is not None else None
+    kr_descending = qr_ascending = None
+    if kernel is None:
+        kr_descending = _rows_by_distance(pos_key, positions, high, -1, high - low + 1) if pos_key is not None else None
+        qr_ascending = (
+            _rows_by_distance(pos_query, positions, low, 1, high - low + 1) if pos_query is not None else None
+        )
     context = query.new_empty(batch, length, heads, dim)
     for start in range(0, batch, group):
         sequences = slice(start, min(start + group, batch))
@@ -126,6 +141,7 @@ def _attend_by_distance(
         group_query, group_key, group_value = query[sequences], key[sequences], value[sequences]
         padded_keys = _padded_keys(group_mask) if fill_keys else []  # U's rows of these keys are masked
         span = _unpadded_span(group_mask, length) if key_mask else slice(0, length)
+        group_p2c = kernel.p2c(positions, group_key, span) if kernel is not None else None
         far = []  # the keys beyond the reach of every row of a block: the far terms of each side (`_far_terms`)
         if split:
             far = _far_terms(positions, pos_key, pos_query, group_query, group_key, group_mask, span)
@@ -135,7 +151,9 @@ def _attend_by_distance(
                 keys = band_keys
             shape = (rows.stop - rows.start, keys.stop - keys.start)
             bias = None
-            if pos_key is not None:  # c2p = T[a, (rows - 1) - a + b]: T's columns descend from the block's highest d
+            if kernel is not None:  # both terms and the key mask in one pass
+                bias = kernel.bias(positions, group_query, group_p2c, group_mask, rows, keys, span)
+            elif pos_key is not None:  # c2p = T[a, (rows - 1) - a + b]: T's columns descend from the block's highest d
                 block_high, block_low = rows.stop - 1 - keys.start, rows.start - keys.stop + 1
                 count, members = block_high - block_low + 1, sequences.stop - sequences.start
                 # T's first `above` and last `below` columns are distances beyond the reach, where c2p is the row
@@ -155,12 +173,12 @@ def _attend_by_distance(
                     table_c2p[..., count - below : count] = far[1][1][:, :, rows, None]
                 row, column = table_c2p.stride(2), table_c2p.stride(3)
                 bias = _skewed(table_c2p, (shape[0] - 1) * column, row - column, column, shape)
-            if pos_query is not None:  # p2c from U by band of keys, for these rows (`_band_table`)
+            if pos_query is not None and kernel is None:  # p2c from U by band of keys, for these rows (`_band_table`)
                 table = _band_table(positions, group_key, qr_ascending, low, (rows, keys), padded_keys)
                 parts = _band_views(table, shape[0])
                 bias_shape = (sequences.stop - sequences.start, heads, *shape)
                 bias = _add_by_key_chunks(bias, parts, _scratch(positions, "bias", bias_shape, query))
-            if group_mask is not None and not fill_keys:
+            if group_mask is not None and not fill_keys and not (kernel is not None and key_mask):
                 bias = bias.masked_fill(~_block_mask(group_mask, slice(None), rows.start, rows.stop)[..., keys], lowest)
             block_query = group_query[:, :, rows]
             block_key, block_value = group_key[:, :, keys], group_value[:, :, keys]
@@ -196,6 +214,74 @@ def _attend_by_distance(
             else:
                 context[:] = value.mean(-2).unsqueeze(1)
     return context
+
+
+class _KernelTables:
+    """The tables the compiled kernel reads, by bucket (`native.position_bias`): Kr in reverse row order and Qr,
+    each padded with zero rows to a multiple of 16 columns, and the int32 column of each distance for either."""
+
+    spare = 16  # elements after each table: the kernel loads 16 columns at a time, past a row's end too
+
+    def __init__(self, positions: RelativePositions, pos_key: Tensor | None, pos_query: Tensor | None):
+        width = _round_up(positions.width)
+        # Kr's rows reversed: along a row of the bias (i - j descending) both tables are read in ascending columns
+        pos_key = pos_key.flip(1) if pos_key is not None else None
+        self.pos_key, self.pos_query = (
+            F.pad(t, (0, 0, 0, width - t.shape[1])) if t is not None else None for t in (pos_key, pos_query)
+        )
+        self.width = width
+        self.column = positions.column.to(torch.int32)
+        self.c2p_column = (positions.width - 1) - self.column.flip(0)
+
+    def _product(self, positions: RelativePositions, kind: str, rows: Tensor, relative: Tensor) -> Tensor:
+        groups, heads, count, _ = rows.shape
+        buffer = _scratch(positions, kind, (heads * groups * count * self.width + self.spare,), rows)
+        return _by_head(rows, relative, out=buffer[: -self.spare].view(heads, groups * count, self.width))
+
+    def p2c(self, positions: RelativePositions, key: Tensor, span: slice) -> Tensor | None:
+        """U = k Qrᵀ for the keys of `span`, [g, H, keys, W]: one product per group of sequences."""
+        return (
+            self._product(positions, "p2c table", key[:, :, span], self.pos_query)
+            if self.pos_query is not None
+            else None
+        )
+
+    def bias(self, positions, query, p2c, mask, rows: slice, keys: slice, span: slice) -> Tensor:
+        """The block's bias [g, H, rows, keys]: T = q Krᵀ of its rows (one product), then the kernel; keys the
+        [g | 1, 1, 1, L] `mask` leaves out hold the dtype's minimum."""
+        shape = (query.shape[0], query.shape[1], rows.stop - rows.start, keys.stop - keys.start)
+        out = _scratch(positions, "bias", shape, query)
+        if keys.start >= span.stop or keys.stop <= span.start:  # a band of padding only (keys the key mask drops)
+            return out.fill_(torch.finfo(query.dtype).min)
+        c2p = self._product(positions, "c2p", query[:, :, rows], self.pos_key) if self.pos_key is not None else None
+        if p2c is not None:
+            p2c = p2c[:, :, keys.start - span.start : keys.stop - span.start]
+        keep = mask[:, 0, 0, keys].to(torch.uint8) if mask is not None and mask.shape[-2] == 1 else None
+        return native.position_bias(out, c2p, p2c, self.column, self.c2p_column, keep, rows.start, keys.start)
+
+
+def _kernel_tables(
+    positions: RelativePositions, pos_key: Tensor | None, pos_query: Tensor | None, query: Tensor
+) -> _KernelTables | None:
+    """The kernel's tables where it runs this call (else None): float32 or bfloat16, one sequence's U within
+    KERNEL_TABLE_ELEMENTS, the window of 16 columns holds (`_window_fits`), and the kernel built
+    (`native.available`). A mask of rows and keys is applied after the kernel, a key mask by it."""
+    _, heads, length, _ = query.shape
+    if not USE_KERNEL or query.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if heads * length * _round_up(positions.width) > KERNEL_TABLE_ELEMENTS:
+        return None
+    if not _window_fits(positions) or not native.available():
+        return None
+    return _KernelTables(positions, pos_key, pos_query)
+
+
+def _window_fits(positions: RelativePositions) -> bool:
+    """In the kernel's tiles the columns of 16 consecutive distances are one load of 16 consecutive columns: true
+    of clipped distances and of the released bucket settings (the log buckets step by at most one column per unit
+    of distance there), checked here for any other."""
+    column = positions.column
+    return column.numel() < 16 or bool((column[15:] - column[:-15]).max() <= 15)
 
 
 ADD_CHUNK_KEYS = 512  # keys per add of the c2p and p2c views (see `_add_by_key_chunks`)

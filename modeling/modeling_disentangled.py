@@ -39,7 +39,8 @@ from transformers.utils import ModelOutput
 from ..configuration.configuration_disentangled import DisentangledConfig
 
 # transformers 4.57 copies a local folder's remote code by the model file's own relative imports (not by theirs in
-# turn), so this file imports every sibling, cpu_inference.py (which only sdpa_attention.py uses) included.
+# turn), so this file imports every sibling, cpu_inference.py and native.py (which only sdpa uses) included.
+from . import native  # noqa: F401
 from .cpu_inference import CPU_FLASH_WITH_LSE  # noqa: F401
 from .disentangled_attention import (
     PositionScores,

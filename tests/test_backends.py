@@ -20,7 +20,14 @@ import torch.nn.functional as F
 from parity import check_parity, inflate_weights, max_abs_diff, padded_batch
 
 import disentangled
-from disentangled.modeling import cpu_inference, disentangled_attention, flex_attention, sdpa_attention, workspace
+from disentangled.modeling import (
+    cpu_inference,
+    disentangled_attention,
+    flex_attention,
+    native,
+    sdpa_attention,
+    workspace,
+)
 
 TINY = dict(
     vocab_size=100,
@@ -58,6 +65,22 @@ def with_implementation(model, implementation: str):
     other = copy.deepcopy(model)
     other.set_attn_implementation(implementation)
     return other
+
+
+@pytest.fixture(autouse=True, params=["kernel", "pytorch"])
+def cpu_inference_path(request, monkeypatch) -> str:
+    """Every test twice: CPU inference with the compiled kernel making the band's bias (`native.py`, where it
+    builds; here with the far keys split off at every length, as from KERNEL_SPLIT_LENGTH tokens on, so that the
+    far parts run with it too) and with PyTorch's operators alone (U by bands of keys, the add of two views)."""
+    if request.param == "kernel" and not native.available():
+        pytest.skip(f"the kernel does not run here: {native.why_unavailable()}")
+    monkeypatch.setattr(cpu_inference, "USE_KERNEL", request.param == "kernel")
+    monkeypatch.setattr(cpu_inference, "KERNEL_SPLIT_LENGTH", 0)
+    return request.param
+
+
+# The buffer that holds U (the p2c table) on each path
+P2C_BUFFER = {"kernel": "p2c table", "pytorch": "band table"}
 
 
 @pytest.fixture(autouse=True)
@@ -361,7 +384,7 @@ def test_far_parts_hand_the_flash_kernel_masks_it_reads_in_place(monkeypatch, pa
     assert max_abs_diff(actual, expected, batch["attention_mask"]) <= 1e-5 * max(1.0, expected.abs().max().item())
 
 
-def test_kept_workspace_is_kept_between_calls_and_stays_exact(monkeypatch):
+def test_kept_workspace_is_kept_between_calls_and_stays_exact(monkeypatch, cpu_inference_path):
     """CPU inference keeps its buffers (U's bands, T, the block's bias) between calls, per
     model and thread. Inputs of other lengths and paddings in any order, in and out of inference mode, give exactly
     what a call with fresh buffers gives, and `release_workspace` frees them."""
@@ -388,7 +411,7 @@ def test_kept_workspace_is_kept_between_calls_and_stays_exact(monkeypatch):
             1.0, expected.abs().max().item()
         )
         held = workspace.kept_workspace(sdpa.encoder)
-        assert "band table" in held and not workspace.kept_workspace(fresh.encoder)
+        assert P2C_BUFFER[cpu_inference_path] in held and not workspace.kept_workspace(fresh.encoder)
         sdpa.release_workspace()
         assert not workspace.kept_workspace(sdpa.encoder)
 
@@ -432,7 +455,7 @@ def test_training_workspace_is_kept_between_steps_and_stays_exact(monkeypatch):
     assert not workspace.kept_workspace(sdpa.encoder)
 
 
-def test_kept_workspace_is_per_thread():
+def test_kept_workspace_is_per_thread(cpu_inference_path):
     """Two threads running one model at once each get their own buffers and the single-thread outputs."""
     sdpa = build("sdpa")
     batches = [padded_batch(100, [150, 97]), padded_batch(100, [140, 150], seed=1)]
@@ -454,7 +477,8 @@ def test_kept_workspace_is_per_thread():
     for thread in threads:
         thread.join()
     assert all(torch.equal(results[index], expected[index]) for index in range(2))
-    assert workspaces[0]["band table"].data_ptr() != workspaces[1]["band table"].data_ptr()
+    table = P2C_BUFFER[cpu_inference_path]
+    assert workspaces[0][table].data_ptr() != workspaces[1][table].data_ptr()
 
 
 def blocked_attention_inputs(dtype=torch.float64, length=12, batch=2, heads=3, dim=4):

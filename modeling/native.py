@@ -1,0 +1,184 @@
+"""The CPU kernel that builds a block's position bias in one pass (`position_bias.c`), compiled on first use.
+
+`position_bias(...)` writes a block's bias c2p[i, δ(i - j)] + p2c[j, δ(i - j)] from the two tables in one pass,
+where PyTorch's operators need a gather or a transposing copy, and an add (`cpu_inference._attend_by_tables`).
+
+The C source ships with the package (not with the Hub bundle, which runs on PyTorch alone). On first use it is
+compiled with the system's C compiler (`cc -O3 -march=native -shared`, a second or two) into a cache folder
+keyed by the source, the compiler and the processor's flags (DISENTANGLED_CACHE, else ~/.cache/disentangled),
+written under a temporary name and renamed, so that a failed or concurrent build leaves nothing half-written.
+Where that cannot happen (no source, no compiler, a failed build, a processor without AVX-512, not Linux, or
+DISENTANGLED_NATIVE=0) `available()` is False and the callers take the pure-PyTorch path; the tests compare both
+against eager.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("position_bias.c")
+
+
+class _BiasArgs(ctypes.Structure):
+    _fields_ = [
+        ("c2p", ctypes.c_void_p),
+        ("c2p_plane", ctypes.c_int64),
+        ("c2p_head", ctypes.c_int64),
+        ("c2p_row", ctypes.c_int64),
+        ("p2c", ctypes.c_void_p),
+        ("p2c_plane", ctypes.c_int64),
+        ("p2c_head", ctypes.c_int64),
+        ("p2c_row", ctypes.c_int64),
+        ("column", ctypes.c_void_p),
+        ("c2p_column", ctypes.c_void_p),
+        ("keep", ctypes.c_void_p),
+        ("keep_plane", ctypes.c_int64),
+        ("out", ctypes.c_void_p),
+        ("heads", ctypes.c_int64),
+        ("first_row", ctypes.c_int64),
+        ("rows", ctypes.c_int64),
+        ("first_key", ctypes.c_int64),
+        ("keys", ctypes.c_int64),
+        ("length", ctypes.c_int64),
+    ]
+
+
+_state: dict = {}
+_lock = threading.Lock()
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _build() -> ctypes.CDLL | None:
+    """Compile (or find in the cache) and load the kernel; None, with the reason in `_state['why']`, if it cannot."""
+    if os.environ.get("DISENTANGLED_NATIVE", "1") == "0":
+        _state["why"] = "turned off by DISENTANGLED_NATIVE=0"
+        return None
+    if sys.platform != "linux" or not SOURCE.is_file():
+        _state["why"] = "no kernel source here (the Hub bundle) or not Linux"
+        return None
+    if "avx512f" not in _cpu_flags().split():
+        _state["why"] = "the processor has no AVX-512"
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        _state["why"] = "no C compiler (cc, gcc or clang) on PATH"
+        return None
+    source = SOURCE.read_bytes()
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(), _cpu_flags().encode()]))
+    cache = Path(os.environ.get("DISENTANGLED_CACHE", Path.home() / ".cache" / "disentangled"))
+    library = cache / f"position_bias-{key.hexdigest()[:16]}.so"
+    if not library.is_file():
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache) as folder:
+                partial = Path(folder) / library.name
+                subprocess.run([compiler, *flags, str(SOURCE), "-o", str(partial)], check=True, capture_output=True)
+                os.replace(partial, library)
+        except (OSError, subprocess.CalledProcessError) as error:
+            _state["why"] = f"compiling {SOURCE.name} failed: {error}"
+            return None
+    try:
+        loaded = ctypes.CDLL(str(library))
+    except OSError as error:
+        _state["why"] = f"loading {library} failed: {error}"
+        return None
+    loaded.position_bias.argtypes = [ctypes.POINTER(_BiasArgs), ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    loaded.position_bias.restype = ctypes.c_int
+    if not loaded.has_avx512():
+        _state["why"] = "the compiler did not target AVX-512"
+        return None
+    return loaded
+
+
+def _library() -> ctypes.CDLL | None:
+    if "library" not in _state:
+        with _lock:
+            if "library" not in _state:
+                _state["library"] = _build()
+    return _state["library"]
+
+
+def available() -> bool:
+    """Whether the kernel can run here (compiles it on the first call)."""
+    return _library() is not None
+
+
+def why_unavailable() -> str | None:
+    """The reason `available()` is False, or None."""
+    return None if available() else _state.get("why")
+
+
+def position_bias(
+    out: Tensor,
+    c2p: Tensor | None,
+    p2c: Tensor | None,
+    column: Tensor,
+    c2p_column: Tensor,
+    keep: Tensor | None,
+    first_row: int,
+    first_key: int,
+) -> Tensor:
+    """out [g, H, rows, keys] (contiguous, float32 or bfloat16) = c2p + p2c of query rows first_row + a and keys
+    first_key + b, with the dtype's minimum where `keep` is 0 (`position_bias.c` says how).
+
+    c2p: [g, H, rows, W'] (the block's rows, against the relative rows in reverse order), p2c: [g, H, keys, W'] (the
+    block's keys), each with a contiguous last dimension and 15 spare elements after its storage (the kernel loads
+    16 columns at a time); `column`: int32 [2L - 1], p2c's column of distance d at d + L - 1; `c2p_column`: int32
+    [2L - 1], c2p's column of distance i - j at L - 1 - i + j; keep: uint8 [g | 1, keys] or None. The (sequence,
+    head) planes are shared between torch's intra-op threads (its own OpenMP runtime)."""
+    library = _library()
+    groups, heads, rows, keys = out.shape
+    for table in (c2p, p2c):
+        if table is not None and (table.dtype != out.dtype or table.stride(-1) != 1):
+            raise ValueError("position_bias: tables must have the output's dtype and a contiguous last dimension")
+    if not out.is_contiguous() or out.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError("position_bias: the output must be contiguous float32 or bfloat16")
+    args = _BiasArgs(
+        c2p=c2p.data_ptr() if c2p is not None else None,
+        c2p_plane=c2p.stride(0) if c2p is not None else 0,
+        c2p_head=c2p.stride(1) if c2p is not None else 0,
+        c2p_row=c2p.stride(2) if c2p is not None else 0,
+        p2c=p2c.data_ptr() if p2c is not None else None,
+        p2c_plane=p2c.stride(0) if p2c is not None else 0,
+        p2c_head=p2c.stride(1) if p2c is not None else 0,
+        p2c_row=p2c.stride(2) if p2c is not None else 0,
+        column=column.data_ptr(),
+        c2p_column=c2p_column.data_ptr(),
+        keep=keep.data_ptr() if keep is not None else None,
+        keep_plane=keep.stride(0) if keep is not None and keep.shape[0] > 1 else 0,
+        out=out.data_ptr(),
+        heads=heads,
+        first_row=first_row,
+        rows=rows,
+        first_key=first_key,
+        keys=keys,
+        length=(column.shape[0] + 1) // 2,
+    )
+    if library.position_bias(ctypes.byref(args), out.element_size(), groups * heads, torch.get_num_threads()):
+        raise ValueError("position_bias: neither table given")
+    return out

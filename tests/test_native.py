@@ -1,0 +1,258 @@
+"""The compiled kernel that makes a block's position bias (`modeling/native.py`, `modeling/position_bias.c`).
+
+Against the formula written here with PyTorch's gather: c2p[i, δ(i - j)] + p2c[j, δ(i - j)], summed in float32
+and rounded once, bit for bit, in float32 and bfloat16, over whole 16 x 16 tiles, ragged edges, tiles beyond the
+buckets' reach, log buckets, clipped distances, offsets and key masks. Then the model with the kernel against eager
+(outputs within the float32 tolerance, float32 gradients untouched: training never runs it), the fallbacks, and a
+failed build that leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from parity import inflate_weights, max_abs_diff, padded_batch
+
+import disentangled
+from disentangled.modeling import cpu_inference, native
+from disentangled.modeling.disentangled_attention import RelativePositions
+
+needs_kernel = pytest.mark.skipif(
+    not native.available(), reason=f"the kernel does not run here: {native.why_unavailable()}"
+)
+
+# (length, span, buckets, max position): v3's own, small log buckets (runs of one column), clipped distances
+POSITIONS = {
+    "v3": (600, 256, 256, 512),
+    "small-buckets": (300, 16, 16, 64),
+    "clipped": (200, 20, -1, 20),
+}
+
+
+def tables(length, span, buckets, max_position, dtype, batch=2, heads=3, seed=0):
+    positions = RelativePositions.build(length, span if buckets <= 0 else buckets, buckets, max_position, "cpu")
+    width = positions.width
+    generator = torch.Generator().manual_seed(seed)
+    spare = 16  # the kernel loads 16 columns at a time, past the last row's end too
+
+    def table():
+        return torch.randn(batch * heads * length * width + spare, generator=generator).to(dtype)[:-spare]
+
+    c2p, p2c = (table().view(batch, heads, length, width) for _ in range(2))
+    return positions, c2p, p2c
+
+
+def reference(positions, c2p, p2c, keep, rows: slice, keys: slice, dtype):
+    """The formula, with the eager reference's dense index."""
+    index = positions.dense(rows)[:, keys]  # [rows, keys]: δ(i - j) + span
+    expected = torch.zeros(*(c2p if c2p is not None else p2c).shape[:2], *index.shape)
+    if c2p is not None:
+        expected += c2p[:, :, rows].float().gather(-1, index.expand(*c2p.shape[:2], *index.shape))
+    if p2c is not None:
+        transposed = index.T.expand(*p2c.shape[:2], *index.T.shape)
+        expected += p2c[:, :, keys].float().gather(-1, transposed).mT
+    expected = expected.to(dtype)
+    if keep is not None:
+        expected = expected.masked_fill(~keep.bool()[:, None, None, :], torch.finfo(dtype).min)
+    return expected
+
+
+def kernel_bias(positions, c2p, p2c, keep, rows: slice, keys: slice, dtype):
+    """The kernel's call as `cpu_inference` makes it: c2p against Kr in reverse row order."""
+    width = positions.width
+    column = positions.column.to(torch.int32)
+    c2p_column = (width - 1) - column.flip(0)
+    reversed_c2p = None
+    if c2p is not None:  # T's columns reversed, in a buffer with spare elements after it
+        spare = torch.empty(c2p[:, :, rows].numel() + 16, dtype=dtype)
+        reversed_c2p = spare[:-16].view(*c2p.shape[:2], rows.stop - rows.start, width)
+        reversed_c2p.copy_(c2p[:, :, rows].flip(-1))
+    out = torch.empty(
+        *(c2p if c2p is not None else p2c).shape[:2], rows.stop - rows.start, keys.stop - keys.start, dtype=dtype
+    )
+    p2c_keys = p2c[:, :, keys] if p2c is not None else None
+    return native.position_bias(out, reversed_c2p, p2c_keys, column, c2p_column, keep, rows.start, keys.start)
+
+
+@needs_kernel
+@pytest.mark.parametrize("terms", ["both", "c2p", "p2c"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("setting", list(POSITIONS))
+def test_kernel_matches_the_formula_bit_for_bit(setting, dtype, terms):
+    length, span, buckets, max_position = POSITIONS[setting]
+    positions, c2p, p2c = tables(length, span, buckets, max_position, dtype)
+    c2p = c2p if terms in ("both", "c2p") else None
+    p2c = p2c if terms in ("both", "p2c") else None
+    blocks = [  # whole tiles; ragged rows and keys; an offset block; the last rows against the first keys
+        (slice(0, length), slice(0, length)),
+        (slice(3, 3 + 37), slice(5, length - 2)),
+        (slice(length // 2, length), slice(16, 16 + 64)),
+        (slice(length - 32, length), slice(0, 48)),
+    ]
+    for rows, keys in blocks:
+        for masked in (False, True):
+            keep = None
+            if masked:  # the second sequence drops its last third, the first a few keys inside
+                keep = torch.ones(2, keys.stop - keys.start, dtype=torch.uint8)
+                keep[1, 2 * keep.shape[1] // 3 :] = 0
+                keep[0, 5:9] = 0
+            expected = reference(positions, c2p, p2c, keep, rows, keys, dtype)
+            actual = kernel_bias(positions, c2p, p2c, keep, rows, keys, dtype)
+            assert torch.equal(actual, expected), (rows, keys, masked)
+
+
+@needs_kernel
+def test_kernel_beyond_the_reach_reads_the_edge_columns():
+    """At 600 tokens v3's buckets stop at |d| = 511: the tiles far from the diagonal are a row constant plus a key
+    bias from the first or last column; a table whose other columns are NaN shows they read nothing else."""
+    length, span, buckets, max_position = POSITIONS["v3"]
+    positions, c2p, p2c = tables(length, span, buckets, max_position, torch.float32)
+    edges = [positions.far_columns[0], positions.far_columns[1]]
+    inside = torch.ones(positions.width, dtype=torch.bool)
+    inside[edges] = False
+    c2p[..., inside] = float("nan")
+    p2c[..., inside] = float("nan")
+    rows, keys = slice(length - 64, length), slice(0, 16)  # d >= 521 > near[1] everywhere: the last column only
+    assert rows.start - keys.stop + 1 >= positions.near[1]
+    actual = kernel_bias(positions, c2p, p2c, None, rows, keys, torch.float32)
+    assert torch.isfinite(actual).all()
+    assert torch.equal(actual, reference(positions, c2p, p2c, None, rows, keys, torch.float32))
+
+
+@needs_kernel
+def test_kernel_keeps_nan_and_rounds_to_nearest_even():
+    """bfloat16 sums that fall halfway round to the even neighbour, and NaN stays NaN, as torch's add does."""
+    positions, c2p, p2c = tables(64, 8, -1, 8, torch.bfloat16, batch=1, heads=1)
+    c2p.fill_(1.0)
+    p2c.fill_(2.0**-8)  # 1 + 2^-8 is halfway between 1 and 1 + 2^-7: rounds to 1
+    p2c[0, 0, 3, :] = float("nan")
+    rows = keys = slice(0, 64)
+    actual = kernel_bias(positions, c2p, p2c, None, rows, keys, torch.bfloat16)
+    expected = reference(positions, c2p, p2c, None, rows, keys, torch.bfloat16)
+    assert torch.equal(actual.isnan(), expected.isnan()) and actual[..., 3].isnan().all()
+    assert torch.equal(actual.nan_to_num(), expected.nan_to_num()) and actual[0, 0, 0, 0] == 1.0
+
+
+def model(**overrides) -> disentangled.DisentangledModel:
+    config = disentangled.DisentangledConfig(
+        **dict(
+            vocab_size=100,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            position_buckets=32,
+            max_relative_positions=128,
+        )
+        | overrides
+    )
+    torch.manual_seed(0)
+    built = disentangled.DisentangledModel(config)
+    inflate_weights(built)
+    built.set_attn_implementation("eager")
+    return built.eval()
+
+
+@needs_kernel
+@pytest.mark.parametrize("split", [False, True], ids=["dense", "far-keys-split"])
+@pytest.mark.parametrize("variant", ["v3", "c2p-only", "p2c-only", "clipped"])
+def test_model_with_the_kernel_matches_eager_and_the_pytorch_path(monkeypatch, variant, split):
+    """Default block sizes (tiles of 16 x 16), 300 tokens with padding: the kernel path against eager at float32's
+    tolerance and against the pure-PyTorch path, with the far keys as a dense bias and split off."""
+    overrides = {
+        "v3": {},
+        "c2p-only": dict(pos_att_type="c2p"),
+        "p2c-only": dict(pos_att_type="p2c"),
+        "clipped": dict(position_buckets=-1, max_relative_positions=24),
+    }[variant]
+    reference = model(**overrides)
+    sdpa = copy.deepcopy(reference)
+    sdpa.set_attn_implementation("sdpa")
+    batch = padded_batch(100, [300, 211])
+    monkeypatch.setattr(cpu_inference, "KERNEL_SPLIT_LENGTH", 0 if split else 10**9)
+    used = []
+    bias = cpu_inference._KernelTables.bias
+    monkeypatch.setattr(cpu_inference._KernelTables, "bias", lambda *args: used.append(1) or bias(*args))
+    with torch.no_grad():
+        expected = reference(**batch).last_hidden_state
+        actual = sdpa(**batch).last_hidden_state
+        monkeypatch.setattr(cpu_inference, "USE_KERNEL", False)
+        pytorch = sdpa(**batch).last_hidden_state
+    assert used  # the kernel made the bias
+    tolerance = 1e-5 * max(1.0, expected.abs().max().item())
+    assert max_abs_diff(actual, expected, batch["attention_mask"]) <= tolerance
+    assert max_abs_diff(actual, pytorch, batch["attention_mask"]) <= tolerance
+
+
+@needs_kernel
+def test_buckets_that_step_by_two_columns_take_the_pytorch_path(monkeypatch):
+    """256 buckets over 300 positions step by two columns per unit of distance in places: the kernel's window of
+    16 columns does not hold, so it is not used, and the output still matches eager."""
+    reference = model(position_buckets=256, max_relative_positions=300)
+    positions = reference.encoder.get_rel_index(300, "cpu")
+    assert not cpu_inference._window_fits(positions)
+    sdpa = copy.deepcopy(reference)
+    sdpa.set_attn_implementation("sdpa")
+    monkeypatch.setattr(native, "position_bias", lambda *args: pytest.fail("the kernel ran"))
+    batch = padded_batch(100, [300, 120])
+    with torch.no_grad():
+        expected = reference(**batch).last_hidden_state
+        actual = sdpa(**batch).last_hidden_state
+    assert max_abs_diff(actual, expected, batch["attention_mask"]) <= 1e-5 * max(1.0, expected.abs().max().item())
+
+
+def fresh_state(monkeypatch, tmp_path, **environment):
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("DISENTANGLED_CACHE", str(tmp_path / "cache"))
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_failed_build_falls_back_and_leaves_nothing(monkeypatch, tmp_path):
+    """A compiler that fails: `available()` is False with the reason, no library (or partial file) is left in the
+    cache, and the model runs on the PyTorch path."""
+    failing = tmp_path / "failing-cc"
+    failing.write_text("#!/bin/sh\necho 'broken compiler' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    fresh_state(monkeypatch, tmp_path, CC=str(failing))
+    if "avx512f" not in native._cpu_flags().split():
+        assert not native.available() and "AVX-512" in native.why_unavailable()
+        return
+    assert not native.available()
+    assert "compiling position_bias.c failed" in native.why_unavailable()
+    assert not any(path.is_file() for path in (tmp_path / "cache").rglob("*"))
+    reference = model()
+    sdpa = copy.deepcopy(reference)
+    sdpa.set_attn_implementation("sdpa")
+    batch = padded_batch(100, [200, 150])
+    with torch.no_grad():
+        expected, actual = reference(**batch).last_hidden_state, sdpa(**batch).last_hidden_state
+    assert max_abs_diff(actual, expected, batch["attention_mask"]) <= 1e-5 * max(1.0, expected.abs().max().item())
+
+
+def test_turned_off_by_the_environment(monkeypatch, tmp_path):
+    fresh_state(monkeypatch, tmp_path, DISENTANGLED_NATIVE="0")
+    assert not native.available() and "DISENTANGLED_NATIVE=0" in native.why_unavailable()
+
+
+@needs_kernel
+def test_build_is_cached_by_source_and_processor(monkeypatch, tmp_path):
+    """The first use compiles into the cache, the next process reuses the file."""
+    fresh_state(monkeypatch, tmp_path)
+    assert native.available()
+    built = list((tmp_path / "cache").glob("position_bias-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(native, "_state", {})
+    assert native.available() and built[0].stat().st_mtime_ns == stamp
+
+
+def test_the_kernel_source_ships_with_the_package_not_the_bundle():
+    """The C source is package data beside native.py; the Hub bundle carries .py files only, so remote code runs on
+    PyTorch alone."""
+    from disentangled.conversion.bundle import bundle_sources
+
+    assert native.SOURCE.is_file()
+    assert "native.py" in bundle_sources() and not any(name.endswith(".c") for name in bundle_sources())
