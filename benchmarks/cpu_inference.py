@@ -5,6 +5,7 @@
     python -m benchmarks.cpu_inference --baseline fcb26f5       # also the by-distance path of an earlier commit
     python -m benchmarks.cpu_inference --products               # only the T / U product shapes, alone
     python -m benchmarks.cpu_inference --far-calls 2048 4096    # only the far keys' calls: one causal, or by block
+    python -m benchmarks.cpu_inference --bias-cost --dtype bfloat16   # only SDPA with and without a dense bias
     python -m benchmarks.cpu_inference --variants as-is --baseline fcb26f5 --processes 5   # five fresh processes
 
 Times the model as it stands against variants that each undo one choice (module constants of
@@ -12,6 +13,9 @@ Times the model as it stands against variants that each undo one choice (module 
 ratios to BERT. Every variant's output is checked equal to the model's (a `--baseline` one to 1e-5). Variants:
 
 - `fresh-buffers`: every call allocates its buffers (KEEP_WORKSPACE=False), as before they were kept;
+- `no-kernel`: the pure-PyTorch path where the compiled bias kernel runs (USE_KERNEL=False; the variants below
+  tune that path, so they turn the kernel off too);
+- `kernel-split-always`: with the kernel, the far keys split off at every length (KERNEL_SPLIT_LENGTH=0);
 - `whole-row-add`: the add of the c2p and p2c views over whole block rows (ADD_CHUNK_KEYS above any length);
 - `band-32-keys`, `band-128-keys`: U's bands of 32 or 128 keys (BAND_TABLE_KEYS), not 64;
 - `unpadded-products`: T and U products of their exact widths (PRODUCT_COLUMNS_MULTIPLE=1), not multiples of 16;
@@ -36,22 +40,27 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
+from torch.nn import functional as F
 
 from benchmarks import machine
 from benchmarks.run import V3_BASE, build_models, in_fresh_processes, inputs_for, print_ratio_medians, time_once
 from disentangled.modeling import cpu_inference as by_distance
 from disentangled.modeling import disentangled_attention, sdpa_attention, workspace
 
+PYTORCH = {"USE_KERNEL": False}  # the path without the compiled kernel, which the variants below it tune
 VARIANTS = {
     "as-is": {},
     "fresh-buffers": {"KEEP_WORKSPACE": False},
-    "whole-row-add": {"ADD_CHUNK_KEYS": 1 << 30},
-    "band-32-keys": {"BAND_TABLE_KEYS": 32},
-    "band-128-keys": {"BAND_TABLE_KEYS": 128},
-    "unpadded-products": {"PRODUCT_COLUMNS_MULTIPLE": 1},
+    "no-kernel": PYTORCH,
+    "kernel-split-always": {"KERNEL_SPLIT_LENGTH": 0},
+    "whole-row-add": {**PYTORCH, "ADD_CHUNK_KEYS": 1 << 30},
+    "band-32-keys": {**PYTORCH, "BAND_TABLE_KEYS": 32},
+    "band-128-keys": {**PYTORCH, "BAND_TABLE_KEYS": 128},
+    "unpadded-products": {**PYTORCH, "PRODUCT_COLUMNS_MULTIPLE": 1},
 }
 # the module each setting is read from (`_attend_by_distance`: where `sdpa_disentangled` calls it)
 HOMES = {
@@ -59,6 +68,8 @@ HOMES = {
     "ADD_CHUNK_KEYS": by_distance,
     "BAND_TABLE_KEYS": by_distance,
     "PRODUCT_COLUMNS_MULTIPLE": by_distance,
+    "USE_KERNEL": by_distance,
+    "KERNEL_SPLIT_LENGTH": by_distance,
     "_attend_by_distance": sdpa_attention,
 }
 
@@ -182,6 +193,50 @@ def far_call_timings(lengths: list[int], repeats: int) -> None:
         print(f"| {length} | {length - near_high} | {cells} |")
 
 
+def bias_cost_timings(cases: list[str], dtype: torch.dtype, repeats: int) -> None:
+    """What a dense bias costs one layer of v3-base (12 heads of 64), per BATCHxLENGTH case, alone: one SDPA call
+    over every row without a bias, with a key bias ([B, 1, 1, L]) and with a dense one ([B, H, L, L]); and the
+    compiled kernel making that dense bias from T and U by bucket (`native.position_bias`). Median milliseconds."""
+    from disentangled.modeling import native
+
+    heads = V3_BASE["num_attention_heads"]
+    dim = V3_BASE["hidden_size"] // heads
+    kernel = native.available()
+    print("\n| case | SDPA, no bias | key bias | dense bias | the kernel making it |\n|---|---|---|---|---|")
+    generator = torch.Generator().manual_seed(0)
+    for case in cases:
+        batch, length = (int(part) for part in case.split("x"))
+        positions = v3_positions(length)
+        width = positions.width
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=generator).to(dtype)
+
+        query, key, value = (randn(batch, heads, length, dim) for _ in range(3))
+        biases = {"none": None, "key": randn(batch, 1, 1, length), "dense": randn(batch, heads, length, length)}
+        tables = [randn(batch * heads * length * width + 16)[:-16].view(batch, heads, length, width) for _ in range(2)]
+        column = positions.column.to(torch.int32)
+        c2p_column = (width - 1) - column.flip(0)
+        attend = partial(F.scaled_dot_product_attention, query, key, value)
+        calls = {name: partial(attend, attn_mask=bias) for name, bias in biases.items()}
+        if kernel:  # into the dense bias's tensor (T's columns are not reversed here: the same work)
+            arguments = (biases["dense"], *tables, column, c2p_column, None, 0, 0)
+            calls["kernel"] = partial(native.position_bias, *arguments)
+        times = {name: [] for name in calls}
+        with torch.inference_mode():
+            for round_ in range(repeats + 1):  # interleaved; the first round warms up
+                for name, call in calls.items():
+                    start = time.perf_counter()
+                    call()
+                    if round_:
+                        times[name].append(time.perf_counter() - start)
+        cells = [
+            f"{statistics.median(times[name]) * 1e3:.1f} ms" if name in times else "-"
+            for name in ("none", "key", "dense", "kernel")
+        ]
+        print(f"| {case} | {' | '.join(cells)} |")
+
+
 def held_mib(model) -> float:
     """MiB of the buffers `model` keeps on this thread after its last call."""
     held = workspace.kept_workspace(model.encoder) or {}
@@ -213,6 +268,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--products", action="store_true", help="only time the T / U product shapes, alone")
     parser.add_argument("--far-calls", nargs="+", type=int, metavar="LENGTH", help="only time the far keys' call")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="time only these (as-is always)")
+    parser.add_argument(
+        "--bias-cost", action="store_true", help="only time SDPA without, with a key, with a dense bias"
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="of --bias-cost")
     parser.add_argument("--processes", type=int, default=1, help="run the comparison in this many fresh processes")
     parser.add_argument("--child-results", type=Path, help=argparse.SUPPRESS)  # a child of --processes writes here
     args = parser.parse_args(argv)
@@ -223,6 +282,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.products:
         print(f"{machine.describe()}; median of {args.repeats * 5} calls")
         product_timings(args.repeats * 5)
+        return
+    if args.bias_cost:
+        print(f"{machine.describe()}; {args.dtype}; median of {args.repeats} interleaved rounds")
+        bias_cost_timings(args.cases, getattr(torch, args.dtype), args.repeats)
         return
     if args.far_calls:
         print(f"{machine.describe()}; median of {args.repeats} interleaved rounds")
@@ -260,8 +323,11 @@ def main(argv: list[str] | None = None) -> None:
                 call(variant, inputs)
                 with torch.inference_mode():
                     outputs[variant] = ours(**inputs).last_hidden_state
-                # the variants only regroup the same sums: equal; an earlier commit may sum in another order
-                tolerance = 1e-5 if variant.startswith("at-") else 0.0
+                # the variants of one path only regroup the same sums: equal; the other path, the far keys' merge
+                # and an earlier commit sum in another order
+                other_sums = variant.startswith("at-") or "USE_KERNEL" in variants[variant]
+                other_sums = other_sums or "KERNEL_SPLIT_LENGTH" in variants[variant]
+                tolerance = 1e-5 if other_sums else 0.0
                 if not torch.allclose(outputs[variant], outputs["as-is"], rtol=tolerance, atol=tolerance):
                     raise SystemExit(f"{variant} changes the outputs at {case}")
             times = {name: [] for name in [*variants, "bert-sdpa"]}

@@ -236,7 +236,15 @@ def test_cpu_inference_variants_run_and_restore_the_module_constants(capsys):
     changes are restored; the held buffers are reported."""
     from benchmarks import cpu_inference
 
-    names = ("KEEP_WORKSPACE", "ADD_CHUNK_KEYS", "BAND_TABLE_KEYS", "PRODUCT_COLUMNS_MULTIPLE", "_attend_by_distance")
+    names = (
+        "KEEP_WORKSPACE",
+        "ADD_CHUNK_KEYS",
+        "BAND_TABLE_KEYS",
+        "PRODUCT_COLUMNS_MULTIPLE",
+        "USE_KERNEL",
+        "KERNEL_SPLIT_LENGTH",
+        "_attend_by_distance",
+    )
     before = {name: getattr(cpu_inference.HOMES[name], name) for name in names}
     arguments = ["--cases", "2x96", "--layers", "1", "--repeats", "1", "--held-lengths", "96", "--baseline", "HEAD"]
     cpu_inference.main(arguments)
@@ -244,6 +252,18 @@ def test_cpu_inference_variants_run_and_restore_the_module_constants(capsys):
     assert all(f"| {variant} |" in printed for variant in [*cpu_inference.VARIANTS, "at-HEAD"])
     assert "| 96 |" in printed and " MiB |" in printed
     assert before == {name: getattr(cpu_inference.HOMES[name], name) for name in before}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_inference_bias_cost_prints_sdpa_with_each_bias_and_the_kernel(capsys, dtype):
+    """--bias-cost times SDPA without a bias, with a key bias and with a dense one, and the kernel where it runs."""
+    from benchmarks import cpu_inference
+    from disentangled.modeling import native
+
+    cpu_inference.main(["--bias-cost", "--cases", "1x96", "2x64", "--repeats", "1", "--dtype", dtype])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1x96 |", "| 2x64 |"))]
+    assert len(rows) == 2
+    assert all(row.count(" ms |") == (4 if native.available() else 3) for row in rows)
 
 
 def test_cpu_inference_products_print_both_layouts_for_each_shape(capsys):
