@@ -22,8 +22,9 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from . import native
 from .disentangled_attention import PositionScores, RelativePositions, _block_mask, _by_head
+from .native import available as kernel_available
+from .native import position_bias
 from .workspace import _scratch
 
 # The CPU flash kernel, which also returns the log-sum-exp (None on torch without it)
@@ -269,7 +270,7 @@ class _KernelTables:
         if p2c is not None:
             p2c = p2c[:, :, keys.start - span.start : keys.stop - span.start]
         keep = mask[:, 0, 0, keys].to(torch.uint8) if mask is not None and mask.shape[-2] == 1 else None
-        return native.position_bias(out, c2p, p2c, self.column, self.c2p_column, keep, rows.start, keys.start)
+        return position_bias(out, c2p, p2c, self.column, self.c2p_column, keep, rows.start, keys.start)
 
 
 def _kernel_tables(
@@ -283,7 +284,7 @@ def _kernel_tables(
         return None
     if heads * length * _round_up(positions.width) > KERNEL_TABLE_ELEMENTS:
         return None
-    if not _window_fits(positions) or not native.available():
+    if not _window_fits(positions) or not kernel_available():
         return None
     return _KernelTables(positions, pos_key, pos_query)
 

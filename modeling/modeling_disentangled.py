@@ -40,7 +40,6 @@ from ..configuration.configuration_disentangled import DisentangledConfig
 
 # transformers 4.57 copies a local folder's remote code by the model file's own relative imports (not by theirs in
 # turn), so this file imports every sibling, cpu_inference.py and native.py (which only sdpa uses) included.
-from . import native  # noqa: F401
 from .cpu_inference import CPU_FLASH_WITH_LSE  # noqa: F401
 from .disentangled_attention import (
     PositionScores,
@@ -51,6 +50,7 @@ from .disentangled_attention import (
     warn_once,
 )
 from .flex_attention import FLEX_AVAILABLE, flex_disentangled
+from .native import available as _native_available  # noqa: F401  (see the note on cpu_inference above)
 from .sdpa_attention import dropout_keep_mask, sdpa_disentangled
 from .validation import (
     IGNORE_INDEX,

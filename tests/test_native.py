@@ -195,7 +195,7 @@ def test_buckets_that_step_by_two_columns_take_the_pytorch_path(monkeypatch):
     assert not cpu_inference._window_fits(positions)
     sdpa = copy.deepcopy(reference)
     sdpa.set_attn_implementation("sdpa")
-    monkeypatch.setattr(native, "position_bias", lambda *args: pytest.fail("the kernel ran"))
+    monkeypatch.setattr(cpu_inference, "position_bias", lambda *args: pytest.fail("the kernel ran"))
     batch = padded_batch(100, [300, 120])
     with torch.no_grad():
         expected = reference(**batch).last_hidden_state
