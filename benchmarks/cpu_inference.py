@@ -215,12 +215,10 @@ def bias_cost_timings(cases: list[str], dtype: torch.dtype, repeats: int) -> Non
         query, key, value = (randn(batch, heads, length, dim) for _ in range(3))
         biases = {"none": None, "key": randn(batch, 1, 1, length), "dense": randn(batch, heads, length, length)}
         tables = [randn(batch * heads * length * width + 16)[:-16].view(batch, heads, length, width) for _ in range(2)]
-        column = positions.column.to(torch.int32)
-        c2p_column = (width - 1) - column.flip(0)
         attend = partial(F.scaled_dot_product_attention, query, key, value)
         calls = {name: partial(attend, attn_mask=bias) for name, bias in biases.items()}
         if kernel:  # into the dense bias's tensor (T's columns are not reversed here: the same work)
-            arguments = (biases["dense"], *tables, column, c2p_column, None, 0, 0)
+            arguments = (biases["dense"], *tables, *positions.kernel_columns, None, 0, 0)
             calls["kernel"] = partial(native.position_bias, *arguments)
         times = {name: [] for name in calls}
         with torch.inference_mode():

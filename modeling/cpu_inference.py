@@ -49,8 +49,8 @@ KERNEL_TABLE_ELEMENTS = 1 << 25
 # With the kernel the far keys are split off (below) only from this length on: a dense bias of the band and the far
 # keys costs the kernel little to make, and below 4,096 tokens one SDPA call timed faster than three and a merge.
 KERNEL_SPLIT_LENGTH = 4096
-# Bias elements per block with the kernel in bfloat16 (8 MiB): fewer, larger SDPA calls; 4x512 took 0.068 against
-# 0.075 s with DISTANCE_BLOCK_ELEMENTS on a 2-core Xeon with AMX (float32 timed best at DISTANCE_BLOCK_ELEMENTS)
+# Bias elements per block with the kernel in bfloat16 (8 MiB): fewer, larger SDPA calls, which timed a little faster
+# at 4x512 and 1x2048 on a 2-core Xeon with AMX in a one-off A/B (float32 timed best at DISTANCE_BLOCK_ELEMENTS)
 KERNEL_BFLOAT16_BLOCK_ELEMENTS = 1 << 22
 USE_KERNEL = True  # False: the pure-PyTorch path everywhere (its tests, A/B timing)
 
@@ -126,8 +126,8 @@ def _attend_by_distance(
     width = min(length, near_high - near_low - 1)  # keys of a row in the band
     groups = -(-batch // max(1, block_elements // (heads * length * width)))  # sequences per block: balanced
     group = -(-batch // groups)
-    if kernel is not None:  # the group's p2c table within KERNEL_TABLE_ELEMENTS
-        group = max(1, min(group, KERNEL_TABLE_ELEMENTS // (heads * length * kernel.width)))
+    if kernel is not None:  # the group's p2c table within KERNEL_TABLE_ELEMENTS (one sequence's is, or no kernel)
+        group = min(group, KERNEL_TABLE_ELEMENTS // (heads * length * kernel.width))
     step = max(1, min(length, block_elements // (group * heads * width)))
     # The CPU flash kernel splits the queries of a call into tiles of 32 rows below 192 rows and of 64 from there
     # on; each tile reads all its keys, so blocks of 192 rows or more read the keys half as often.
@@ -140,6 +140,7 @@ def _attend_by_distance(
     high = max(rows.stop - 1 - keys.start for rows, keys in blocks)
     # The masked keys' value in U: the dtype's minimum absorbs every term added to it (float16's would not).
     fill_keys = key_mask and pos_query is not None and query.dtype != torch.float16 and kernel is None
+    masked_in_bias = fill_keys or (kernel is not None and key_mask)  # else a masked_fill of each block's bias
     # Kr by distance descending from `high`, Qr ascending from `low`: the distances T and U read
     kr_descending = qr_ascending = None
     if kernel is None:
@@ -154,7 +155,10 @@ def _attend_by_distance(
         group_query, group_key, group_value = query[sequences], key[sequences], value[sequences]
         padded_keys = _padded_keys(group_mask) if fill_keys else []  # U's rows of these keys are masked
         span = _unpadded_span(group_mask, length) if key_mask else slice(0, length)
-        group_p2c = kernel.p2c(positions, group_key, span) if kernel is not None else None
+        group_p2c = group_keep = None
+        if kernel is not None:  # U of the group's keys, and its key mask as the kernel reads it
+            group_p2c = kernel.p2c(positions, group_key, span)
+            group_keep = group_mask[:, 0, 0].to(torch.uint8) if key_mask else None
         far = []  # the keys beyond the reach of every row of a block: the far terms of each side (`_far_terms`)
         if split:
             far = _far_terms(positions, pos_key, pos_query, group_query, group_key, group_mask, span)
@@ -165,7 +169,7 @@ def _attend_by_distance(
             shape = (rows.stop - rows.start, keys.stop - keys.start)
             bias = None
             if kernel is not None:  # both terms and the key mask in one pass
-                bias = kernel.bias(positions, group_query, group_p2c, group_mask, rows, keys, span)
+                bias = kernel.bias(positions, group_query, group_p2c, group_keep, rows, keys, span)
             elif pos_key is not None:  # c2p = T[a, (rows - 1) - a + b]: T's columns descend from the block's highest d
                 block_high, block_low = rows.stop - 1 - keys.start, rows.start - keys.stop + 1
                 count, members = block_high - block_low + 1, sequences.stop - sequences.start
@@ -191,7 +195,7 @@ def _attend_by_distance(
                 parts = _band_views(table, shape[0])
                 bias_shape = (sequences.stop - sequences.start, heads, *shape)
                 bias = _add_by_key_chunks(bias, parts, _scratch(positions, "bias", bias_shape, query))
-            if group_mask is not None and not fill_keys and not (kernel is not None and key_mask):
+            if group_mask is not None and not masked_in_bias:
                 bias = bias.masked_fill(~_block_mask(group_mask, slice(None), rows.start, rows.stop)[..., keys], lowest)
             block_query = group_query[:, :, rows]
             block_key, block_value = group_key[:, :, keys], group_value[:, :, keys]
@@ -243,8 +247,7 @@ class _KernelTables:
             F.pad(t, (0, 0, 0, width - t.shape[1])) if t is not None else None for t in (pos_key, pos_query)
         )
         self.width = width
-        self.column = positions.column.to(torch.int32)
-        self.c2p_column = (positions.width - 1) - self.column.flip(0)
+        self.column, self.c2p_column = positions.kernel_columns
 
     def _product(self, positions: RelativePositions, kind: str, rows: Tensor, relative: Tensor) -> Tensor:
         groups, heads, count, _ = rows.shape
@@ -259,9 +262,9 @@ class _KernelTables:
             else None
         )
 
-    def bias(self, positions, query, p2c, mask, rows: slice, keys: slice, span: slice) -> Tensor:
-        """The block's bias [g, H, rows, keys]: T = q Krᵀ of its rows (one product), then the kernel; keys the
-        [g | 1, 1, 1, L] `mask` leaves out hold the dtype's minimum."""
+    def bias(self, positions, query, p2c, keep, rows: slice, keys: slice, span: slice) -> Tensor:
+        """The block's bias [g, H, rows, keys]: T = q Krᵀ of its rows (one product), then the kernel; the keys that
+        `keep` (uint8 [g | 1, L], or None) marks 0 hold the dtype's minimum."""
         shape = (query.shape[0], query.shape[1], rows.stop - rows.start, keys.stop - keys.start)
         out = _scratch(positions, "bias", shape, query)
         if keys.start >= span.stop or keys.stop <= span.start:  # a band of padding only (keys the key mask drops)
@@ -269,7 +272,7 @@ class _KernelTables:
         c2p = self._product(positions, "c2p", query[:, :, rows], self.pos_key) if self.pos_key is not None else None
         if p2c is not None:
             p2c = p2c[:, :, keys.start - span.start : keys.stop - span.start]
-        keep = mask[:, 0, 0, keys].to(torch.uint8) if mask is not None and mask.shape[-2] == 1 else None
+        keep = keep[:, keys] if keep is not None else None
         return position_bias(out, c2p, p2c, self.column, self.c2p_column, keep, rows.start, keys.start)
 
 
@@ -277,24 +280,16 @@ def _kernel_tables(
     positions: RelativePositions, pos_key: Tensor | None, pos_query: Tensor | None, query: Tensor
 ) -> _KernelTables | None:
     """The kernel's tables where it runs this call (else None): float32 or bfloat16, one sequence's U within
-    KERNEL_TABLE_ELEMENTS, the window of 16 columns holds (`_window_fits`), and the kernel built
-    (`native.available`). A mask of rows and keys is applied after the kernel, a key mask by it."""
+    KERNEL_TABLE_ELEMENTS, the window of 16 columns holds (`RelativePositions.kernel_columns`), and the kernel
+    built (`native.available`). A mask of rows and keys is applied after the kernel, a key mask by it."""
     _, heads, length, _ = query.shape
     if not USE_KERNEL or query.dtype not in (torch.float32, torch.bfloat16):
         return None
     if heads * length * _round_up(positions.width) > KERNEL_TABLE_ELEMENTS:
         return None
-    if not _window_fits(positions) or not kernel_available():
+    if not kernel_available() or positions.kernel_columns is None:
         return None
     return _KernelTables(positions, pos_key, pos_query)
-
-
-def _window_fits(positions: RelativePositions) -> bool:
-    """In the kernel's tiles the columns of 16 consecutive distances are one load of 16 consecutive columns: true
-    of clipped distances and of the released bucket settings (the log buckets step by at most one column per unit
-    of distance there), checked here for any other."""
-    column = positions.column
-    return column.numel() < 16 or bool((column[15:] - column[:-15]).max() <= 15)
 
 
 ADD_CHUNK_KEYS = 512  # keys per add of the c2p and p2c views (see `_add_by_key_chunks`)

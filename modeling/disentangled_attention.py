@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -130,6 +131,19 @@ class RelativePositions:
     @property
     def width(self) -> int:
         return self.rows.stop - self.rows.start
+
+    @cached_property
+    def kernel_columns(self) -> tuple[Tensor, Tensor] | None:
+        """The int32 column vectors of the CPU bias kernel (`native.position_bias`), made once per forward rather than
+        per layer: the column of each distance d at d + L - 1, and c2p's column (the table against Kr in reverse row
+        order) of i - j at L - 1 - i + j. None where 16 consecutive distances read more than 16 consecutive columns,
+        which the kernel's tile loads need: true of clipped distances and of every released bucket setting (the log
+        buckets step by at most one column per unit of distance there), checked for any other."""
+        column = self.column
+        if column.numel() >= 16 and bool((column[15:] - column[:-15]).max() > 15):
+            return None
+        column = column.to(torch.int32)
+        return column, (self.width - 1) - column.flip(0)
 
     def cut(self, length: int) -> RelativePositions:
         """The same tables read by a shorter input (one sequence of a packed batch)."""

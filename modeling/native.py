@@ -1,10 +1,10 @@
 """The CPU kernel that builds a block's position bias in one pass (`position_bias.c`), compiled on first use.
 
 `position_bias(...)` writes a block's bias c2p[i, δ(i - j)] + p2c[j, δ(i - j)] from the two tables in one pass,
-where PyTorch's operators need a gather or a transposing copy, and an add (`cpu_inference._attend_by_tables`).
+where PyTorch's operators need a gather or a transposing copy, and an add (`cpu_inference._KernelTables`).
 
 The C source ships with the package (not with the Hub bundle, which runs on PyTorch alone). On first use it is
-compiled with the system's C compiler (`cc -O3 -march=native -shared`, a second or two) into a cache folder
+compiled with the system's C compiler (`cc -O3 -march=native -fopenmp -shared`, about a second) into a cache folder
 keyed by the source, the compiler and the processor's flags (DISENTANGLED_CACHE, else ~/.cache/disentangled),
 written under a temporary name and renamed, so that a failed or concurrent build leaves nothing half-written.
 Where that cannot happen (no source, no compiler, a failed build, a processor without AVX-512, not Linux, or

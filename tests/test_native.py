@@ -62,8 +62,6 @@ def reference(positions, c2p, p2c, keep, rows: slice, keys: slice, dtype):
 def kernel_bias(positions, c2p, p2c, keep, rows: slice, keys: slice, dtype):
     """The kernel's call as `cpu_inference` makes it: c2p against Kr in reverse row order."""
     width = positions.width
-    column = positions.column.to(torch.int32)
-    c2p_column = (width - 1) - column.flip(0)
     reversed_c2p = None
     if c2p is not None:  # T's columns reversed, in a buffer with spare elements after it
         spare = torch.empty(c2p[:, :, rows].numel() + 16, dtype=dtype)
@@ -73,7 +71,7 @@ def kernel_bias(positions, c2p, p2c, keep, rows: slice, keys: slice, dtype):
         *(c2p if c2p is not None else p2c).shape[:2], rows.stop - rows.start, keys.stop - keys.start, dtype=dtype
     )
     p2c_keys = p2c[:, :, keys] if p2c is not None else None
-    return native.position_bias(out, reversed_c2p, p2c_keys, column, c2p_column, keep, rows.start, keys.start)
+    return native.position_bias(out, reversed_c2p, p2c_keys, *positions.kernel_columns, keep, rows.start, keys.start)
 
 
 @needs_kernel
@@ -192,7 +190,7 @@ def test_buckets_that_step_by_two_columns_take_the_pytorch_path(monkeypatch):
     16 columns does not hold, so it is not used, and the output still matches eager."""
     reference = model(position_buckets=256, max_relative_positions=300)
     positions = reference.encoder.get_rel_index(300, "cpu")
-    assert not cpu_inference._window_fits(positions)
+    assert positions.kernel_columns is None
     sdpa = copy.deepcopy(reference)
     sdpa.set_attn_implementation("sdpa")
     monkeypatch.setattr(cpu_inference, "position_bias", lambda *args: pytest.fail("the kernel ran"))
@@ -238,7 +236,7 @@ def test_turned_off_by_the_environment(monkeypatch, tmp_path):
 
 
 @needs_kernel
-def test_build_is_cached_by_source_and_processor(monkeypatch, tmp_path):
+def test_build_is_cached_and_reused(monkeypatch, tmp_path):
     """The first use compiles into the cache, the next process reuses the file."""
     fresh_state(monkeypatch, tmp_path)
     assert native.available()
