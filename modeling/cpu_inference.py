@@ -23,8 +23,8 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from .disentangled_attention import PositionScores, RelativePositions, _block_mask, _by_head
+from .native import as_key_tiles, attend, attend_available, position_bias, workspace_bytes
 from .native import available as kernel_available
-from .native import position_bias
 from .workspace import _scratch
 
 # The CPU flash kernel, which also returns the log-sum-exp (None on torch without it)
@@ -53,6 +53,10 @@ KERNEL_SPLIT_LENGTH = 4096
 # at 4x512 and 1x2048 on a 2-core Xeon with AMX in a one-off A/B (float32 timed best at DISTANCE_BLOCK_ELEMENTS)
 KERNEL_BFLOAT16_BLOCK_ELEMENTS = 1 << 22
 USE_KERNEL = True  # False: the pure-PyTorch path everywhere (its tests, A/B timing)
+USE_FUSED = True  # False: no fused attention (`_attend_fused`) where it could run (its tests, A/B timing)
+# The fused kernel's workspace, all threads together, at most this (U of one plane per thread, in float32: 150 MiB
+# for 32,768 tokens on 2 threads); beyond it, the bias by blocks.
+FUSED_WORKSPACE_BYTES = 1 << 30
 
 
 def _round_up(columns: int) -> int:
@@ -114,7 +118,11 @@ def _attend_by_distance(
     lowest = torch.finfo(query.dtype).min
     key_mask = mask is not None and mask.shape[-2] == 1
     near_low, near_high = positions.near
-    kernel = _kernel_tables(positions, pos_key, pos_query, query)  # None: T and U by distance, below
+    fused = _fused_runs(query, mask, positions)
+    kernel = _kernel_tables(positions, pos_key, pos_query, query, fused)  # None: T and U by distance, below
+    if kernel is not None and fused:  # the bias made inside the attention tile
+        context = _attend_fused(kernel, positions, query, key, value, mask if key_mask else None, scaling)
+        return _uniform_where_padding(context, value, mask)
     if block_elements is None:
         bfloat16_kernel = kernel is not None and query.dtype == torch.bfloat16
         block_elements = KERNEL_BFLOAT16_BLOCK_ELEMENTS if bfloat16_kernel else DISTANCE_BLOCK_ELEMENTS
@@ -223,14 +231,72 @@ def _attend_by_distance(
                     )
                     parts.append((part, lse + row_constant[..., rows] if row_constant is not None else lse))
             _merge_parts(context[sequences, rows].transpose(1, 2), parts)
-    if key_mask and not mask.all():  # a sequence of padding only: uniform attention over every key, as in eager (its
-        # rows saw only the group's unpadded span, and the split parts' log-sum-exps all round to the dtype's minimum)
+    return _uniform_where_padding(context, value, mask)
+
+
+def _uniform_where_padding(context: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:
+    """A sequence of padding only attends uniformly to every key, as in eager: its rows saw only the group's
+    unpadded span (or no key at all), and the split parts' log-sum-exps all round to the dtype's minimum."""
+    if mask is not None and mask.shape[-2] == 1 and not mask.all():
         for sequence in (~mask.flatten(1).any(-1)).nonzero().flatten().tolist():
             if mask.shape[0] > 1:
                 context[sequence] = value[sequence].mean(-2).unsqueeze(0)
             else:
                 context[:] = value.mean(-2).unsqueeze(1)
     return context
+
+
+def _fused_runs(query: Tensor, mask: Tensor | None, positions: RelativePositions) -> bool:
+    """Whether `_attend_fused` takes this call: bfloat16, 64 dimensions per head, no mask or a key mask, the kernel
+    built with AMX (`native.attend_available`), and its workspace within FUSED_WORKSPACE_BYTES."""
+    if not USE_FUSED or query.dtype != torch.bfloat16 or query.shape[-1] != 64:
+        return False
+    if mask is not None and mask.shape[-2] != 1:
+        return False
+    if not attend_available():
+        return False
+    return workspace_bytes(query.shape[-2], _round_up(positions.width)) <= FUSED_WORKSPACE_BYTES
+
+
+def _attend_fused(
+    kernel: _KernelTables,
+    positions: RelativePositions,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None,
+    scaling: float,
+) -> Tensor:
+    """Attention with the position terms made inside the tile (`native.attend`, on AMX): one kernel call for the batch,
+    or one per sequence over the keys of its unpadded span where a [B, 1, 1, L] key mask differs between sequences;
+    the kernel makes T and U from Kr and Qr itself, in cache, and no bias is written. Returns [B, L, H, D]."""
+    batch, heads, length, _ = query.shape
+    pos_key, pos_query = (as_key_tiles(t) if t is not None else None for t in (kernel.pos_key, kernel.pos_query))
+    context = query.new_empty(batch, length, heads, query.shape[-1])
+    groups = [slice(0, batch)] if mask is None or mask.shape[0] == 1 else [slice(b, b + 1) for b in range(batch)]
+    for sequences in groups:  # each sequence its own span of keys (one group where every sequence has the same)
+        group_mask = mask[sequences] if mask is not None and mask.shape[0] > 1 else mask
+        span = _unpadded_span(group_mask, length) if group_mask is not None else slice(0, length)
+        keep = group_mask[:, 0, 0, span].to(torch.uint8) if group_mask is not None else None
+        workspace = _scratch(positions, "attend", (workspace_bytes(span.stop - span.start, kernel.width),), _BYTES)
+        attend(
+            context[sequences],
+            query[sequences],
+            key[sequences],
+            value[sequences],
+            pos_key,
+            pos_query,
+            kernel.column,
+            kernel.c2p_column,
+            keep,
+            span,
+            scaling,
+            workspace,
+        )
+    return context
+
+
+_BYTES = torch.empty(0, dtype=torch.uint8)
 
 
 class _KernelTables:
@@ -277,15 +343,16 @@ class _KernelTables:
 
 
 def _kernel_tables(
-    positions: RelativePositions, pos_key: Tensor | None, pos_query: Tensor | None, query: Tensor
+    positions: RelativePositions, pos_key: Tensor | None, pos_query: Tensor | None, query: Tensor, fused: bool = False
 ) -> _KernelTables | None:
     """The kernel's tables where it runs this call (else None): float32 or bfloat16, one sequence's U within
-    KERNEL_TABLE_ELEMENTS, the window of 16 columns holds (`RelativePositions.kernel_columns`), and the kernel
-    built (`native.available`). A mask of rows and keys is applied after the kernel, a key mask by it."""
+    KERNEL_TABLE_ELEMENTS (unless `fused`: the fused kernel makes U one plane at a time), the window of 16 columns
+    holds (`RelativePositions.kernel_columns`), and the kernel built (`native.available`). A mask of rows and keys is
+    applied after the kernel, a key mask by it."""
     _, heads, length, _ = query.shape
     if not USE_KERNEL or query.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if heads * length * _round_up(positions.width) > KERNEL_TABLE_ELEMENTS:
+    if not fused and heads * length * _round_up(positions.width) > KERNEL_TABLE_ELEMENTS:
         return None
     if not kernel_available() or positions.kernel_columns is None:
         return None

@@ -54,6 +54,33 @@ class _BiasArgs(ctypes.Structure):
     ]
 
 
+STRIDES = ("sequence", "head", "row")
+
+
+class _AttendArgs(ctypes.Structure):
+    _fields_ = [
+        ("query", ctypes.c_void_p),
+        ("key", ctypes.c_void_p),
+        ("value", ctypes.c_void_p),
+        *[(f"{name}_{stride}", ctypes.c_int64) for name in ("query", "key", "value") for stride in STRIDES],
+        ("out", ctypes.c_void_p),
+        *[(f"out_{stride}", ctypes.c_int64) for stride in STRIDES],
+        ("pos_key", ctypes.c_void_p),
+        ("pos_query", ctypes.c_void_p),
+        ("width", ctypes.c_int64),
+        ("column", ctypes.c_void_p),
+        ("c2p_column", ctypes.c_void_p),
+        ("keep", ctypes.c_void_p),
+        ("keep_sequence", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("length", ctypes.c_int64),
+        ("first_key", ctypes.c_int64),
+        ("keys", ctypes.c_int64),
+        ("scale", ctypes.c_float),
+        ("workspace", ctypes.c_void_p),
+    ]
+
+
 _state: dict = {}
 _lock = threading.Lock()
 
@@ -109,6 +136,10 @@ def _build() -> ctypes.CDLL | None:
         return None
     loaded.position_bias.argtypes = [ctypes.POINTER(_BiasArgs), ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     loaded.position_bias.restype = ctypes.c_int
+    loaded.attend.argtypes = [ctypes.POINTER(_AttendArgs), ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    loaded.attend.restype = ctypes.c_int
+    loaded.workspace_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    loaded.workspace_bytes.restype = ctypes.c_int64
     if not loaded.has_avx512():
         _state["why"] = "the compiler did not target AVX-512"
         return None
@@ -158,7 +189,14 @@ def position_bias(
             raise ValueError("position_bias: tables must have the output's dtype and a contiguous last dimension")
     if not out.is_contiguous() or out.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError("position_bias: the output must be contiguous float32 or bfloat16")
-    args = _BiasArgs(
+    args = _bias_args(out, c2p, p2c, column, c2p_column, keep, first_row, first_key, heads, rows, keys)
+    if library.position_bias(ctypes.byref(args), out.element_size(), groups * heads, torch.get_num_threads()):
+        raise ValueError("position_bias: neither table given")
+    return out
+
+
+def _bias_args(out, c2p, p2c, column, c2p_column, keep, first_row, first_key, heads, rows, keys) -> _BiasArgs:
+    return _BiasArgs(
         c2p=c2p.data_ptr() if c2p is not None else None,
         c2p_plane=c2p.stride(0) if c2p is not None else 0,
         c2p_head=c2p.stride(1) if c2p is not None else 0,
@@ -171,7 +209,7 @@ def position_bias(
         c2p_column=c2p_column.data_ptr(),
         keep=keep.data_ptr() if keep is not None else None,
         keep_plane=keep.stride(0) if keep is not None and keep.shape[0] > 1 else 0,
-        out=out.data_ptr(),
+        out=out.data_ptr() if out is not None else None,
         heads=heads,
         first_row=first_row,
         rows=rows,
@@ -179,6 +217,86 @@ def position_bias(
         keys=keys,
         length=(column.shape[0] + 1) // 2,
     )
-    if library.position_bias(ctypes.byref(args), out.element_size(), groups * heads, torch.get_num_threads()):
-        raise ValueError("position_bias: neither table given")
+
+
+def attend_available() -> bool:
+    """Whether `attend` can run here: the kernel built with AMX and AVX512-BF16 (a processor that has them), and
+    this process allowed the AMX tiles."""
+    if "attend" not in _state:
+        library = _library()
+        _state["attend"] = bool(library is not None and library.attend_available())
+    return _state["attend"]
+
+
+def as_key_tiles(rows: Tensor) -> Tensor:
+    """[H, W, 64] bfloat16 rows (W a multiple of 16) in the layout of `attend`'s AMX key tiles: for each 16 rows and
+    each half of the dimensions, the transpose of the rows read as 32-bit pairs, [H, W / 16, 2, 16, 16] int32."""
+    heads, width, dim = rows.shape
+    pairs = rows.contiguous().view(torch.int32).view(heads, width // 16, 16, 2, dim // 4)
+    return pairs.permute(0, 1, 3, 4, 2).contiguous()
+
+
+def attend(
+    out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    pos_key: Tensor | None,
+    pos_query: Tensor | None,
+    column: Tensor,
+    c2p_column: Tensor,
+    keep: Tensor | None,
+    keys: slice,
+    scale: float,
+    workspace: Tensor,
+) -> Tensor:
+    """Attention with the position terms made inside the tile, in bfloat16 on AMX (`position_bias.c`, attend):
+    out [g, L, H, 64] = softmax(scale q kᵀ + c2p + p2c) v over the keys of `keys` that `keep` marks 1, for query,
+    key and value [g, H, L, 64] (any strides with a contiguous last dimension), where c2p[i, j] = q_i . Kr[c(i - j)]
+    and p2c[i, j] = k_j . Qr[c(i - j)] with the columns `column` and `c2p_column` of `position_bias`; `pos_key` is
+    Kr with its rows reversed and `pos_query` Qr, [H, W, 64] with W a multiple of 16, each in `as_key_tiles` layout
+    (or None without that term); keep uint8 [g | 1, keys] or None; `workspace` uint8 of at least
+    `workspace_bytes(keys, W)`. A row with no key to attend to comes out 0."""
+    library = _library()
+    groups, heads, length, dim = query.shape
+    tables = [t for t in (pos_key, pos_query) if t is not None]
+    if dim != 64 or any(t.dtype != torch.bfloat16 or t.stride(-1) != 1 for t in (out, query, key, value)):
+        raise ValueError("attend: bfloat16 tensors of 64 dimensions per head, each with a contiguous last dimension")
+    if not tables or any(t.dtype != torch.int32 or not t.is_contiguous() or t.shape[0] != heads for t in tables):
+        raise ValueError("attend: give Kr or Qr (or both) in as_key_tiles layout, one per head")
+    width, count = tables[0].shape[1] * 16, keys.stop - keys.start
+    if workspace.numel() < workspace_bytes(count, width):
+        raise ValueError("attend: the workspace is too small (see workspace_bytes)")
+    args = _AttendArgs(
+        query=query.data_ptr(),
+        key=key.data_ptr(),
+        value=value.data_ptr(),
+        out=out.data_ptr(),
+        pos_key=pos_key.data_ptr() if pos_key is not None else None,
+        pos_query=pos_query.data_ptr() if pos_query is not None else None,
+        width=width,
+        column=column.data_ptr(),
+        c2p_column=c2p_column.data_ptr(),
+        keep=keep.data_ptr() if keep is not None else None,
+        keep_sequence=keep.stride(0) if keep is not None and keep.shape[0] > 1 else 0,
+        heads=heads,
+        length=length,
+        first_key=keys.start,
+        keys=count,
+        scale=scale,
+        workspace=workspace.data_ptr(),
+    )
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        for index, stride in enumerate(STRIDES):
+            setattr(args, f"{name}_{stride}", tensor.stride(index))
+    args.out_sequence, args.out_row, args.out_head = out.stride(0), out.stride(1), out.stride(2)
+    threads, planes = torch.get_num_threads(), groups * heads
+    chunks = -(-threads // planes) if planes < threads else 1  # each plane's rows in parts where planes are few
+    if library.attend(ctypes.byref(args), planes, chunks, threads):
+        raise ValueError("attend: not built with AMX here")
     return out
+
+
+def workspace_bytes(keys: int, width: int) -> int:
+    """Bytes of `attend`'s workspace for this many keys and table columns (one part per torch thread)."""
+    return torch.get_num_threads() * _library().workspace_bytes(keys, width)

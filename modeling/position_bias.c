@@ -27,6 +27,13 @@
 #include <immintrin.h>
 #define HAVE_AVX512 1
 #endif
+#if defined(HAVE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define HAVE_AMX 1
+#include <math.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 typedef struct {
     const void *c2p;           /* plane 0, the block's first row; NULL without c2p */
@@ -59,7 +66,7 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even; NaN stays Na
     return (uint16_t)(u >> 16);
 }
 
-static inline float read(const void *table, int64_t index, int bf16) {
+static inline float element(const void *table, int64_t index, int bf16) {
     return bf16 ? from_bf16(((const uint16_t *)table)[index]) : ((const float *)table)[index];
 }
 
@@ -129,75 +136,110 @@ static inline void transpose16(__m512 m[16]) {
 }
 #endif
 
-/* One (sequence, head) plane. The flags are constants at each call, so that every case compiles on its own. */
+/* One plane's two tables, as a tile of the bias reads them. */
+typedef struct {
+    const char *t, *u;         /* c2p at the block's first row, p2c at key first_key; NULL without that term */
+    int64_t t_row, u_row;      /* element strides between rows of T and of U */
+    const int32_t *forward, *c2p_column;
+    int64_t length, first_row, first_key;
+    const float *edges;        /* p2c at the first, then at the last column, of each tiled key ([2, edge_keys]) */
+    int64_t edge_keys;
+} Terms;
+
+/* The bias of one pair, element by element (the tiles' edges). */
+static inline float bias_at(const Terms *s, int64_t a, int64_t b, const int bf16) {
+    const int64_t i = s->first_row + a, j = s->first_key + b, L = s->length;
+    float sum = 0.0f;
+    if (s->t) sum = element(s->t, a * s->t_row + s->c2p_column[L - 1 - i + j], bf16);
+    if (s->u) sum += element(s->u, b * s->u_row + s->forward[i - j + L - 1], bf16);
+    return sum;
+}
+
+#ifdef HAVE_AVX512
+/* p2c at the table's first and last column for each of the first `keys` keys, into edges[0 .. 2 keys). */
+static void fill_edges(Terms *s, float *edges, int64_t keys, const int bf16) {
+    const int32_t first_column = s->forward[0], last_column = s->forward[2 * s->length - 2];
+    for (int64_t b = 0; s->u && b < keys; b++) {
+        edges[b] = element(s->u, b * s->u_row + first_column, bf16);
+        edges[keys + b] = element(s->u, b * s->u_row + last_column, bf16);
+    }
+    s->edges = edges;
+    s->edge_keys = keys;
+}
+
+/* m[r] = c2p + p2c of row a0 + r against keys b0 .. b0 + 15: a whole tile inside the tables, each sum in float32.
+   The flags are constants at each call, so that every case compiles on its own. */
+static inline __attribute__((always_inline)) void bias_tile(const Terms *s, int64_t a0, int64_t b0, __m512 m[16],
+                                                           const int bf16, const int with_c2p, const int with_p2c) {
+    const int64_t L = s->length, i0 = s->first_row + a0, j0 = s->first_key + b0;
+    const int32_t *forward = s->forward;
+    const int32_t nearest = forward[i0 - (j0 + 15) + L - 1], farthest = forward[i0 + 15 - j0 + L - 1];
+    const int32_t first_column = forward[0], last_column = forward[2 * L - 2];
+    if (nearest == farthest && (nearest == first_column || nearest == last_column)) {
+        /* beyond the reach: every distance of the tile reads one column, a row constant plus a key bias */
+        const __m512 key_bias =
+            with_p2c ? _mm512_loadu_ps(s->edges + (nearest == first_column ? 0 : s->edge_keys) + b0) : _mm512_setzero_ps();
+        const int32_t c2p_at = s->c2p_column[L - 1 - i0 + j0];
+        for (int r = 0; r < 16; r++) {
+            m[r] = key_bias;
+            if (with_c2p) {
+                const __m512 constant = _mm512_set1_ps(element(s->t, (a0 + r) * s->t_row + c2p_at, bf16));
+                m[r] = with_p2c ? _mm512_add_ps(constant, key_bias) : constant;
+            }
+        }
+        return;
+    }
+    if (with_p2c) { /* key j0 + r over rows i0 .. i0 + 15: distances i - j ascending */
+        for (int r = 0; r < 16; r++) m[r] = columns16(s->u, (b0 + r) * s->u_row, forward + (i0 - (j0 + r) + L - 1), bf16);
+        transpose16(m);
+    }
+    for (int r = 0; r < 16; r++) { /* row i0 + r over keys j0 .. j0 + 15 */
+        if (!with_c2p) continue;
+        const __m512 c2p = columns16(s->t, (a0 + r) * s->t_row, s->c2p_column + (L - 1 - (i0 + r) + j0), bf16);
+        m[r] = with_p2c ? _mm512_add_ps(c2p, m[r]) : c2p;
+    }
+}
+#endif
+
+/* One (sequence, head) plane of position_bias. */
 static inline __attribute__((always_inline)) void bias_plane(const BiasArgs *args, int64_t sequence, int64_t head,
                                                             const int bf16, const int with_c2p, const int with_p2c) {
     const int64_t size = bf16 ? 2 : 4;
-    const char *t = with_c2p ? (const char *)args->c2p + (sequence * args->c2p_plane + head * args->c2p_head) * size : NULL;
-    const char *u = with_p2c ? (const char *)args->p2c + (sequence * args->p2c_plane + head * args->p2c_head) * size : NULL;
+    Terms s = {
+        .t = with_c2p ? (const char *)args->c2p + (sequence * args->c2p_plane + head * args->c2p_head) * size : NULL,
+        .u = with_p2c ? (const char *)args->p2c + (sequence * args->p2c_plane + head * args->p2c_head) * size : NULL,
+        .t_row = args->c2p_row,
+        .u_row = args->p2c_row,
+        .forward = args->column,
+        .c2p_column = args->c2p_column,
+        .length = args->length,
+        .first_row = args->first_row,
+        .first_key = args->first_key,
+    };
     const uint8_t *keep = args->keep ? args->keep + sequence * args->keep_plane : NULL;
     char *out = (char *)args->out + (sequence * args->heads + head) * args->rows * args->keys * size;
-    const int64_t L = args->length, rows = args->rows, keys = args->keys, c2p_row = args->c2p_row;
-    const int32_t *forward = args->column, *c2p_column = args->c2p_column;
+    const int64_t rows = args->rows, keys = args->keys;
     int64_t tiled_rows = 0, tiled_keys = 0;
 #ifdef HAVE_AVX512
     tiled_rows = rows / 16 * 16;
     tiled_keys = keys / 16 * 16;
-    /* p2c at the table's first and last column for every key (the key bias of the tiles beyond the reach) */
-    const int32_t first_column = forward[0], last_column = forward[2 * L - 2];
     float *edges = with_p2c ? malloc(sizeof(float) * 2 * (tiled_keys + 1)) : NULL;
     if (with_p2c && edges == NULL) tiled_rows = tiled_keys = 0; /* out of memory: element by element */
-    for (int64_t b = 0; with_p2c && b < tiled_keys; b++) {
-        edges[b] = read(u, b * args->p2c_row + first_column, bf16);
-        edges[tiled_keys + b] = read(u, b * args->p2c_row + last_column, bf16);
-    }
+    if (edges) fill_edges(&s, edges, tiled_keys, bf16);
     for (int64_t a0 = 0; a0 < tiled_rows; a0 += 16) {
-        const int64_t i0 = args->first_row + a0;
         for (int64_t b0 = 0; b0 < tiled_keys; b0 += 16) {
-            const int64_t j0 = args->first_key + b0;
             __mmask16 masked = 0;
             if (keep) masked = _mm_cmpeq_epi8_mask(_mm_loadu_si128((const __m128i *)(keep + b0)), _mm_setzero_si128());
-            const int32_t nearest = forward[i0 - (j0 + 15) + L - 1], farthest = forward[i0 + 15 - j0 + L - 1];
-            if (nearest == farthest && (nearest == first_column || nearest == last_column)) {
-                /* beyond the reach: every distance of the tile reads one column */
-                const __m512 key_bias = with_p2c ? _mm512_loadu_ps(edges + (nearest == first_column ? 0 : tiled_keys) + b0)
-                                                 : _mm512_setzero_ps();
-                const int32_t c2p_at = c2p_column[L - 1 - i0 + j0];
-                for (int r = 0; r < 16; r++) {
-                    __m512 sum = key_bias;
-                    if (with_c2p) {
-                        const __m512 constant = _mm512_set1_ps(read(t, (a0 + r) * c2p_row + c2p_at, bf16));
-                        sum = with_p2c ? _mm512_add_ps(constant, key_bias) : constant;
-                    }
-                    store16(out, (a0 + r) * keys + b0, sum, masked, bf16);
-                }
-                continue;
-            }
             __m512 m[16];
-            if (with_p2c) { /* key j0 + r over rows i0 .. i0 + 15: distances i - j ascending */
-                for (int r = 0; r < 16; r++)
-                    m[r] = columns16(u, (b0 + r) * args->p2c_row, forward + (i0 - (j0 + r) + L - 1), bf16);
-                transpose16(m);
-            }
-            for (int r = 0; r < 16; r++) { /* row i0 + r over keys j0 .. j0 + 15 */
-                __m512 sum = with_p2c ? m[r] : _mm512_setzero_ps();
-                if (with_c2p) {
-                    const __m512 c2p = columns16(t, (a0 + r) * c2p_row, c2p_column + (L - 1 - (i0 + r) + j0), bf16);
-                    sum = with_p2c ? _mm512_add_ps(c2p, sum) : c2p;
-                }
-                store16(out, (a0 + r) * keys + b0, sum, masked, bf16);
-            }
+            bias_tile(&s, a0, b0, m, bf16, with_c2p, with_p2c);
+            for (int r = 0; r < 16; r++) store16(out, (a0 + r) * keys + b0, m[r], masked, bf16);
         }
     }
     free(edges);
 #endif
     for (int64_t a = 0; a < rows; a++) { /* what the tiles left: the last rows, and the last keys of every row */
-        const int64_t i = args->first_row + a;
         for (int64_t b = a < tiled_rows ? tiled_keys : 0; b < keys; b++) {
-            const int64_t j = args->first_key + b;
-            float sum = 0.0f;
-            if (with_c2p) sum = read(t, a * c2p_row + c2p_column[L - 1 - i + j], bf16);
-            if (with_p2c) sum += read(u, b * args->p2c_row + forward[i - j + L - 1], bf16);
+            const float sum = bias_at(&s, a, b, bf16);
             const int dropped = keep && !keep[b];
             if (bf16)
                 ((uint16_t *)out)[a * keys + b] = dropped ? LOWEST_BF16 : to_bf16(sum);
@@ -223,6 +265,346 @@ int position_bias(const BiasArgs *args, int64_t element_size, int64_t planes, in
         else bias_plane(args, sequence, head, 0, 0, 1);
     }
     return 0;
+}
+
+/* ---- Attention with the position terms made inside the tile (bfloat16, AMX) ----
+
+   attend() computes, for each (sequence, head) plane and query row i, over the keys j of [first_key, first_key + keys):
+
+       out_i = sum_j softmax_j(scale q_i . k_j + c2p[i, j] + p2c[i, j]) v_j      (keys whose keep is 0 left out)
+
+   with c2p[i, j] = q_i . Kr[c(i - j)] and p2c[i, j] = k_j . Qr[c(i - j)] (Kr and Qr scaled already), the bias never
+   written to memory. Each thread takes one plane at a time and makes its tables in float32 on the AMX tiles: U =
+   k Qr^T for the plane's keys, then, for each block of 16 query rows, T = q Kr^T of those rows, so that both stay in
+   cache; position_bias()'s tile code then reads them exactly as it reads its own. Flash attention's order: for each
+   block of 16 query rows, blocks of KEY_BLOCK keys in turn, with a running maximum and sum per row (the online
+   softmax). The products q k^T and p v run on the AMX tiles in bfloat16 with float32 sums; the scores, the softmax
+   and the context stay in float32 until the context is rounded once to bfloat16. A row whose every key is left out
+   comes out 0 (the caller handles a sequence of padding).
+
+   Tiles (16 rows of 64 bytes each): 0-3 float32 sums (16 x 16 scores, table columns or context columns), 4-5 the
+   first operand (16 rows of 32 bfloat16: queries, keys or weights), 6-7 the second. AMX's second operand holds pairs
+   of bfloat16 along its rows (the "VNNI" layout), so keys, values and the relative rows are packed first: a key
+   tile's row r holds dimensions 2r, 2r + 1 of 16 keys (the transpose of their rows read as 32-bit pairs), a value
+   tile's row r keys 2r, 2r + 1 of 16 dimensions. Kr (rows reversed) and Qr come packed as key tiles. */
+
+typedef struct {
+    const uint16_t *query, *key, *value; /* [sequences, heads, length, 64] bfloat16 at the strides below */
+    int64_t query_sequence, query_head, query_row;
+    int64_t key_sequence, key_head, key_row;
+    int64_t value_sequence, value_head, value_row;
+    uint16_t *out;                       /* [sequences, length, heads, 64] at its strides */
+    int64_t out_sequence, out_head, out_row;
+    const uint32_t *pos_key;             /* Kr, rows reversed, as key tiles: [heads, width / 16, 2, 16, 16]; or NULL */
+    const uint32_t *pos_query;           /* Qr as key tiles; or NULL */
+    int64_t width;                       /* W, the table columns, a multiple of 16 */
+    const int32_t *column, *c2p_column;  /* as position_bias reads them */
+    const uint8_t *keep;                 /* [sequences, keys] from first_key, 1 = a key to attend to; or NULL */
+    int64_t keep_sequence;               /* 0 when one mask serves every sequence */
+    int64_t heads, length, first_key, keys;
+    float scale;
+    void *workspace;                     /* workspace_bytes(keys, width) for each thread */
+} AttendArgs;
+
+#define QUERY_ROWS 16
+#define KEY_BLOCK 128
+#define DIM 64
+
+static int64_t padded_keys(int64_t keys) { return (keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK; }
+
+/* One thread's workspace: the plane's packed keys and values, U ([padded keys, W] float32) and its edge columns,
+   and a block's T ([16, W] float32), each table with 16 spare elements (the tile loads read 16 columns). */
+int64_t workspace_bytes(int64_t keys, int64_t width) {
+    const int64_t padded = padded_keys(keys);
+    return padded * DIM * 2 * 2 + (padded * width + 16) * 4 + padded * 2 * 4 + (QUERY_ROWS * width + 16) * 4 + 64;
+}
+
+#ifdef HAVE_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* e^x in float32 for x <= 0: 2^n e^r with n = round(x / ln 2), r = x - n ln 2 in two parts, e^r by its Taylor
+   polynomial to r^6 (|r| <= ln 2 / 2: relative error under 2e-7). Below -87 (-inf included) it is exactly 0: the
+   result would be subnormal there, and arithmetic on subnormals takes the processor's slow path. */
+static inline __m512 exp16(__m512 x) {
+    const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(normal, p, n);
+}
+
+/* out[16, W] = the 16 rows in tiles 4 and 5 against the relative rows packed as key tiles (W / 16 of them). */
+static void table_rows(const uint32_t *packed, int64_t width, float *out) {
+    for (int64_t c0 = 0; c0 < width; c0 += 64) {
+#define COLUMNS(n)                                                  \
+    if (c0 + 16 * (n) < width) {                                    \
+        _tile_zero(n);                                              \
+        _tile_loadd(6, packed + ((c0 / 16 + (n)) * 2) * 256, 64);   \
+        _tile_dpbf16ps(n, 4, 6);                                    \
+        _tile_loadd(7, packed + ((c0 / 16 + (n)) * 2 + 1) * 256, 64); \
+        _tile_dpbf16ps(n, 5, 7);                                    \
+        _tile_stored(n, out + c0 + 16 * (n), width * 4);            \
+    }
+        COLUMNS(0) COLUMNS(1) COLUMNS(2) COLUMNS(3)
+#undef COLUMNS
+    }
+}
+
+/* 16 rows of 64 bfloat16 from `rows` (row stride in elements) into `into`, zeros past `count` rows. */
+static void copy_rows(const uint16_t *rows, int64_t stride, int64_t count, uint16_t *into) {
+    for (int r = 0; r < 16; r++)
+        for (int h = 0; h < 2; h++)
+            _mm512_storeu_si512(into + r * DIM + 32 * h, r < count ? _mm512_loadu_si512(rows + r * stride + 32 * h)
+                                                                   : _mm512_setzero_si512());
+}
+
+/* One plane's keys and values in the tiles' layout, from key first_key on, zeros past the last; U for its keys,
+   and U's edge columns. */
+static void pack_plane(const AttendArgs *x, int64_t sequence, int64_t head, char *workspace, Terms *s) {
+    const int64_t keys = x->keys, padded = padded_keys(keys), width = x->width;
+    uint32_t *key_tiles = (uint32_t *)workspace;          /* [padded / 16][2][16][16] */
+    uint32_t *value_tiles = key_tiles + padded * DIM / 2; /* [padded / 32][4][16][16] */
+    float *u = (float *)(value_tiles + padded * DIM / 2);
+    const uint16_t *k = x->key + sequence * x->key_sequence + head * x->key_head + x->first_key * x->key_row;
+    const uint16_t *v = x->value + sequence * x->value_sequence + head * x->value_head + x->first_key * x->value_row;
+    __attribute__((aligned(64))) uint16_t rows[QUERY_ROWS * DIM];
+    for (int64_t j0 = 0; j0 < padded; j0 += 16) {
+        for (int h = 0; h < 2; h++) { /* dimensions 32h .. 32h + 31: row n = key j0 + n, as 16 pairs */
+            __m512 m[16];
+            for (int n = 0; n < 16; n++)
+                m[n] = j0 + n < keys ? _mm512_loadu_ps((const float *)(k + (j0 + n) * x->key_row + 32 * h)) : _mm512_setzero_ps();
+            transpose16(m);
+            for (int r = 0; r < 16; r++) _mm512_storeu_ps((float *)(key_tiles + ((j0 / 16) * 2 + h) * 256 + r * 16), m[r]);
+        }
+        if (x->pos_query && j0 < keys) { /* U of these 16 keys */
+            copy_rows(k + j0 * x->key_row, x->key_row, keys - j0, rows);
+            _tile_loadd(4, rows, DIM * 2);
+            _tile_loadd(5, rows + 32, DIM * 2);
+            table_rows(x->pos_query + head * (width / 16) * 2 * 256, width, u + j0 * width);
+        }
+    }
+    /* lanes 2n and 2n + 1 of a value tile row: element n (of the tile's 16 dimensions) of keys 2r and 2r + 1 */
+    __attribute__((aligned(64))) int16_t index[32];
+    for (int n = 0; n < 16; n++) index[2 * n] = (int16_t)n, index[2 * n + 1] = (int16_t)(32 + n);
+    const __m512i low = _mm512_load_si512(index), high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    for (int64_t j = 0; j < padded; j += 2) {
+        uint32_t *row = value_tiles + (j / 32) * 4 * 256 + ((j % 32) / 2) * 16;
+        for (int half = 0; half < 2; half++) { /* dimensions 32 half .. 32 half + 31: tiles 2 half, 2 half + 1 */
+            const __m512i a = j < keys ? _mm512_loadu_si512(v + j * x->value_row + 32 * half) : _mm512_setzero_si512();
+            const __m512i b = j + 1 < keys ? _mm512_loadu_si512(v + (j + 1) * x->value_row + 32 * half) : _mm512_setzero_si512();
+            _mm512_storeu_si512(row + (2 * half) * 256, _mm512_permutex2var_epi16(a, low, b));
+            _mm512_storeu_si512(row + (2 * half + 1) * 256, _mm512_permutex2var_epi16(a, high, b));
+        }
+    }
+    if (x->pos_query) fill_edges(s, u + padded * width + 16, keys / 16 * 16, 0);
+}
+
+/* Rows [a0, a0 + 16) of one plane (fewer at the end), its keys and values packed in `workspace`. */
+static void attend_rows(const AttendArgs *x, int64_t sequence, int64_t head, int64_t a0, char *workspace, Terms *s) {
+    const int64_t length = x->length, keys = x->keys, padded = padded_keys(keys), width = x->width;
+    const uint32_t *key_tiles = (const uint32_t *)workspace, *value_tiles = key_tiles + padded * DIM / 2;
+    const uint8_t *keep = x->keep ? x->keep + sequence * x->keep_sequence : NULL;
+    const int with_c2p = x->pos_key != NULL, with_p2c = x->pos_query != NULL;
+    const int64_t rows = length - a0 < QUERY_ROWS ? length - a0 : QUERY_ROWS;
+    const int64_t tiled_keys = keys / 16 * 16;
+    __attribute__((aligned(64))) uint16_t query[QUERY_ROWS * DIM], weights[QUERY_ROWS * KEY_BLOCK];
+    __attribute__((aligned(64))) float scores[QUERY_ROWS * KEY_BLOCK], context[QUERY_ROWS * DIM], block[QUERY_ROWS * DIM];
+    float maximum[QUERY_ROWS], total[QUERY_ROWS];
+    copy_rows(x->query + sequence * x->query_sequence + head * x->query_head + a0 * x->query_row, x->query_row, rows,
+              query);
+    _tile_loadd(4, query, DIM * 2);
+    _tile_loadd(5, query + 32, DIM * 2);
+    if (with_c2p) table_rows(x->pos_key + head * (width / 16) * 2 * 256, width, (float *)s->t); /* T of the rows */
+    s->first_row = a0;
+    for (int r = 0; r < QUERY_ROWS; r++) {
+        maximum[r] = -INFINITY;
+        total[r] = 0.0f;
+    }
+    memset(context, 0, sizeof(context));
+    const __m512 scale = _mm512_set1_ps(x->scale);
+    for (int64_t k0 = 0; k0 < keys; k0 += KEY_BLOCK) {
+        /* scores = q k^T of the block, 64 keys at a time: tile n holds keys 16n .. 16n + 15 of the 64 */
+        _tile_loadd(4, query, DIM * 2);
+        _tile_loadd(5, query + 32, DIM * 2);
+        for (int64_t part = k0; part < k0 + KEY_BLOCK && part < keys; part += 64) {
+            const uint32_t *kt = key_tiles + (part / 16) * 2 * 256;
+            float *into = scores + (part - k0);
+#define SCORES(n)                                 \
+    _tile_zero(n);                                \
+    _tile_loadd(6, kt + (2 * (n)) * 256, 64);     \
+    _tile_dpbf16ps(n, 4, 6);                      \
+    _tile_loadd(7, kt + (2 * (n) + 1) * 256, 64); \
+    _tile_dpbf16ps(n, 5, 7);                      \
+    _tile_stored(n, into + 16 * (n), KEY_BLOCK * 4);
+            SCORES(0) SCORES(1) SCORES(2) SCORES(3)
+#undef SCORES
+        }
+        /* + the position terms, and the keys left out at -inf */
+        for (int64_t b0 = k0; b0 < k0 + KEY_BLOCK; b0 += 16) {
+            float *tile = scores + (b0 - k0);
+            if (b0 >= keys) {
+                for (int r = 0; r < 16; r++) _mm512_storeu_ps(tile + r * KEY_BLOCK, _mm512_set1_ps(-INFINITY));
+                continue;
+            }
+            __mmask16 out = b0 + 16 > keys ? (__mmask16)(0xffff << (keys - b0)) : 0; /* past the last key */
+            if (keep) {
+                __m128i flags = _mm_setzero_si128();
+                if (b0 + 16 <= keys) flags = _mm_loadu_si128((const __m128i *)(keep + b0));
+                else memcpy(&flags, keep + b0, (size_t)(keys - b0));
+                out |= _mm_cmpeq_epi8_mask(flags, _mm_setzero_si128());
+            }
+            if (rows == QUERY_ROWS && b0 + 16 <= tiled_keys) {
+                __m512 m[16];
+                if (with_c2p && with_p2c) bias_tile(s, 0, b0, m, 0, 1, 1);
+                else if (with_c2p) bias_tile(s, 0, b0, m, 0, 1, 0);
+                else bias_tile(s, 0, b0, m, 0, 0, 1);
+                for (int r = 0; r < 16; r++) {
+                    const __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(tile + r * KEY_BLOCK), scale, m[r]);
+                    _mm512_storeu_ps(tile + r * KEY_BLOCK, _mm512_mask_mov_ps(v, out, _mm512_set1_ps(-INFINITY)));
+                }
+            } else { /* an edge: element by element */
+                for (int r = 0; r < 16; r++)
+                    for (int c = 0; c < 16; c++) {
+                        float *score = tile + r * KEY_BLOCK + c;
+                        if ((out >> c) & 1) *score = -INFINITY;
+                        else *score = *score * x->scale + (r < rows ? bias_at(s, r, b0 + c, 0) : 0.0f);
+                    }
+            }
+        }
+        /* the online softmax: weights = e^(score - running maximum), the context so far rescaled to it */
+        float rescale[QUERY_ROWS];
+        for (int r = 0; r < QUERY_ROWS; r++) {
+            const float *row = scores + r * KEY_BLOCK;
+            __m512 v[KEY_BLOCK / 16], highest = _mm512_set1_ps(-INFINITY);
+            for (int c = 0; c < KEY_BLOCK / 16; c++) {
+                v[c] = _mm512_loadu_ps(row + 16 * c);
+                highest = _mm512_max_ps(highest, v[c]);
+            }
+            const float block_highest = _mm512_reduce_max_ps(highest);
+            const float updated = block_highest > maximum[r] ? block_highest : maximum[r];
+            /* 0, not a subnormal, where the maximum rose by more than 87 (see exp16) */
+            rescale[r] = updated == -INFINITY ? 1.0f : maximum[r] - updated < -87.0f ? 0.0f : expf(maximum[r] - updated);
+            maximum[r] = updated;
+            const __m512 shift = _mm512_set1_ps(updated == -INFINITY ? 0.0f : updated);
+            __m512 sum = _mm512_setzero_ps();
+            for (int c = 0; c < KEY_BLOCK / 16; c++) {
+                const __m512 w = exp16(_mm512_sub_ps(v[c], shift));
+                sum = _mm512_add_ps(sum, w);
+                _mm256_storeu_si256((__m256i *)(weights + r * KEY_BLOCK + 16 * c), (__m256i)_mm512_cvtneps_pbh(w));
+            }
+            total[r] = total[r] * rescale[r] + _mm512_reduce_add_ps(sum);
+        }
+        /* block = weights v: tile n holds dimensions 16n .. 16n + 15, over the block's keys 32 at a time */
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t part = k0; part < k0 + KEY_BLOCK && part < keys; part += 32) {
+            const uint32_t *vt = value_tiles + (part / 32) * 4 * 256;
+            _tile_loadd(4, weights + (part - k0), KEY_BLOCK * 2);
+            _tile_loadd(6, vt, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, vt + 256, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(6, vt + 512, 64);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_loadd(7, vt + 768, 64);
+            _tile_dpbf16ps(3, 4, 7);
+        }
+        _tile_stored(0, block, DIM * 4);
+        _tile_stored(1, block + 16, DIM * 4);
+        _tile_stored(2, block + 32, DIM * 4);
+        _tile_stored(3, block + 48, DIM * 4);
+        for (int r = 0; r < QUERY_ROWS; r++) {
+            const __m512 factor = _mm512_set1_ps(rescale[r]);
+            for (int c = 0; c < DIM; c += 16) {
+                const __m512 sum = _mm512_fmadd_ps(_mm512_loadu_ps(context + r * DIM + c), factor,
+                                                   _mm512_loadu_ps(block + r * DIM + c));
+                _mm512_storeu_ps(context + r * DIM + c, sum);
+            }
+        }
+    }
+    uint16_t *o = x->out + sequence * x->out_sequence + head * x->out_head + a0 * x->out_row;
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 inverse = _mm512_set1_ps(total[r] > 0.0f ? 1.0f / total[r] : 0.0f);
+        for (int c = 0; c < DIM; c += 16) {
+            const __m512 value = _mm512_mul_ps(_mm512_loadu_ps(context + r * DIM + c), inverse);
+            _mm256_storeu_si256((__m256i *)(o + r * x->out_row + c), round_bf16(value));
+        }
+    }
+}
+#endif
+
+/* Whether attend() can run here: built with AMX and AVX512-BF16, and the kernel let this process use the AMX tile
+   data (Linux asks each process to request it; PyTorch's oneDNN may have already). */
+int attend_available(void) {
+#ifdef HAVE_AMX
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+    return 0;
+#endif
+}
+
+/* Every plane on `threads` OpenMP threads, each plane's rows in `chunks` parts (more than one where there are fewer
+   planes than threads). Returns 1 where it cannot run (no AMX build, or neither table). */
+int attend(const AttendArgs *x, int64_t planes, int64_t chunks, int threads) {
+#ifdef HAVE_AMX
+    if (x->pos_key == NULL && x->pos_query == NULL) return 1;
+    const int64_t blocks = (x->length + QUERY_ROWS - 1) / QUERY_ROWS, per_chunk = (blocks + chunks - 1) / chunks;
+    const int64_t bytes = workspace_bytes(x->keys, x->width), padded = padded_keys(x->keys);
+#pragma omp parallel num_threads(threads)
+    {
+        TileConfig config = {.palette = 1};
+        for (int t = 0; t < 8; t++) {
+            config.bytes_per_row[t] = 64;
+            config.rows[t] = 16;
+        }
+        _tile_loadconfig(&config);
+        char *workspace = (char *)x->workspace + omp_get_thread_num() * bytes;
+        float *t = (float *)(workspace + padded * DIM * 2 * 2 + (padded * x->width + 16) * 4 + padded * 2 * 4);
+        int64_t packed = -1; /* the plane in the workspace */
+        Terms s;
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < planes * chunks; item++) {
+            const int64_t plane = item / chunks, sequence = plane / x->heads, head = plane % x->heads;
+            if (plane != packed) {
+                s = (Terms){
+                    .t = x->pos_key ? (const char *)t : NULL,
+                    .u = x->pos_query ? workspace + padded * DIM * 2 * 2 : NULL,
+                    .t_row = x->width,
+                    .u_row = x->width,
+                    .forward = x->column,
+                    .c2p_column = x->c2p_column,
+                    .length = x->length,
+                    .first_key = x->first_key,
+                };
+                pack_plane(x, sequence, head, workspace, &s);
+                packed = plane;
+            }
+            const int64_t first = (item % chunks) * per_chunk, last = first + per_chunk < blocks ? first + per_chunk : blocks;
+            for (int64_t block = first; block < last; block++)
+                attend_rows(x, sequence, head, block * QUERY_ROWS, workspace, &s);
+        }
+        _tile_release();
+    }
+    return 0;
+#else
+    (void)x, (void)planes, (void)chunks, (void)threads;
+    return 1;
+#endif
 }
 
 int has_avx512(void) {

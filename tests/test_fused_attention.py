@@ -1,0 +1,254 @@
+"""Attention with the position terms made inside the tile, in bfloat16 on AMX (`native.attend`).
+
+Against the formula written here in float32 (scale q.k + q.Kr[δ(i - j)] + k.Qr[δ(i - j)], softmax, times v): within
+twice the bfloat16 rounding of the formula's own result (plus one bfloat16 step of the values), over v3's buckets
+with tiles beyond the reach, small log buckets, clipped distances, either term alone, ragged rows and keys, key masks
+over a span of keys, and more threads than planes. Then the model in bfloat16 against eager in float32 (within twice
+eager's own bfloat16 error), the fallbacks where the fused kernel does not run, and PyTorch's own AMX operators
+before and after it (its tiles are released and configured per call).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from parity import inflate_weights, max_abs_diff, padded_batch
+
+import disentangled
+from disentangled.modeling import cpu_inference, native
+from disentangled.modeling.disentangled_attention import RelativePositions
+
+needs_amx = pytest.mark.skipif(
+    not native.attend_available(), reason="the fused kernel needs AMX and AVX512-BF16 (and the compiled kernel)"
+)
+
+# (length, span, buckets, max position): v3's own, small log buckets (runs of one column), clipped distances
+POSITIONS = {
+    "v3": (600, 256, 256, 512),
+    "small-buckets": (300, 16, 16, 64),
+    "clipped": (200, 20, -1, 20),
+}
+SCALE = 0.125
+
+
+def inputs(length, span, buckets, max_position, batch=2, heads=3, seed=0):
+    positions = RelativePositions.build(length, span if buckets <= 0 else buckets, buckets, max_position, "cpu")
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(torch.bfloat16)
+
+    # the layout the model hands over: [B, H, L, 64] views of [B, L, H, 64]
+    query, key, value = (randn(batch, length, heads, 64).transpose(1, 2) for _ in range(3))
+    pos_key, pos_query = (randn(heads, positions.width, 64, scale=0.3) for _ in range(2))
+    return positions, query, key, value, pos_key, pos_query
+
+
+def formula(positions, query, key, value, pos_key, pos_query, keep, keys: slice):
+    """The attention of every row over the keys of `keys` that `keep` marks, in float32 from the bfloat16 inputs,
+    with the eager reference's dense index δ(i - j)."""
+    query, key, value = query.float(), key[:, :, keys].float(), value[:, :, keys].float()
+    scores = query @ key.mT * SCALE
+    index = positions.dense()[:, keys]  # [L, keys]
+    if pos_key is not None:
+        c2p = query @ pos_key.float().mT  # [B, H, L, W]
+        scores += c2p.gather(-1, index.expand(*c2p.shape[:2], *index.shape))
+    if pos_query is not None:
+        p2c = key @ pos_query.float().mT  # [B, H, keys, W]
+        scores += p2c.gather(-1, index.T.expand(*p2c.shape[:2], *index.T.shape)).mT
+    if keep is not None:
+        scores = scores.masked_fill(~keep.bool()[:, None, None, :], float("-inf"))
+    return (scores.softmax(-1) @ value).transpose(1, 2)  # [B, L, H, 64]
+
+
+def fused(positions, query, key, value, pos_key, pos_query, keep, keys: slice):
+    """The kernel's call as `cpu_inference._attend_fused` makes it: Kr's rows reversed, both padded to a multiple
+    of 16 rows, in the key tiles' layout."""
+    width = -(-positions.width // 16) * 16
+
+    def tiles(rows, reverse):
+        if rows is None:
+            return None
+        rows = rows.flip(1) if reverse else rows
+        return native.as_key_tiles(torch.nn.functional.pad(rows, (0, 0, 0, width - rows.shape[1])))
+
+    out = torch.full((query.shape[0], query.shape[2], query.shape[1], 64), float("nan"), dtype=torch.bfloat16)
+    workspace = torch.empty(native.workspace_bytes(keys.stop - keys.start, width), dtype=torch.uint8)
+    column, c2p_column = positions.kernel_columns
+    native.attend(
+        out, query, key, value, tiles(pos_key, True), tiles(pos_query, False), column, c2p_column,
+        keep, keys, SCALE, workspace,
+    )  # fmt: skip
+    return out
+
+
+def within_bfloat16(actual, expected, value):
+    """Twice the bfloat16 rounding of the formula's result, plus a bfloat16 step of the largest value (the kernel
+    rounds the softmax weights to bfloat16 for the product with v)."""
+    rounding = max_abs_diff(expected.to(torch.bfloat16).float(), expected)
+    tolerance = 2 * rounding + 2**-8 * value.float().abs().max().item()
+    error = max_abs_diff(actual.float(), expected)
+    assert error <= tolerance, (error, tolerance)
+    return error
+
+
+@needs_amx
+@pytest.mark.parametrize("terms", ["both", "c2p", "p2c"])
+@pytest.mark.parametrize("setting", list(POSITIONS))
+def test_fused_kernel_matches_the_formula(setting, terms):
+    positions, query, key, value, pos_key, pos_query = inputs(*POSITIONS[setting])
+    pos_key = pos_key if terms in ("both", "c2p") else None
+    pos_query = pos_query if terms in ("both", "p2c") else None
+    length = query.shape[2]
+    for keys, masked in [(slice(0, length), False), (slice(0, length), True), (slice(7, length - 21), True)]:
+        keep = None
+        if masked:  # the second sequence drops its last third, the first a few keys inside
+            keep = torch.ones(2, keys.stop - keys.start, dtype=torch.uint8)
+            keep[1, 2 * keep.shape[1] // 3 :] = 0
+            keep[0, 5:9] = 0
+        expected = formula(positions, query, key, value, pos_key, pos_query, keep, keys)
+        actual = fused(positions, query, key, value, pos_key, pos_query, keep, keys)
+        within_bfloat16(actual, expected, value)
+
+
+@needs_amx
+@pytest.mark.parametrize("length", [1, 5, 16, 17, 130])
+def test_fused_kernel_short_and_ragged_inputs(length):
+    """Fewer rows and keys than a tile, one more than a tile, and a key block plus a ragged tile."""
+    positions, query, key, value, pos_key, pos_query = inputs(length, 256, 256, 512)
+    keys = slice(0, length)
+    expected = formula(positions, query, key, value, pos_key, pos_query, None, keys)
+    within_bfloat16(fused(positions, query, key, value, pos_key, pos_query, None, keys), expected, value)
+
+
+@needs_amx
+@pytest.mark.parametrize("threads", [1, 4])
+def test_fused_kernel_with_more_threads_than_planes(threads):
+    """One plane on 4 threads splits its rows into parts (each packs the plane itself); on 1 thread it is one part.
+    The results are the same bits either way."""
+    positions, query, key, value, pos_key, pos_query = inputs(300, 256, 256, 512, batch=1, heads=1)
+    keys = slice(0, 300)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        actual = fused(positions, query, key, value, pos_key, pos_query, None, keys)
+        torch.set_num_threads(2)
+        two = fused(positions, query, key, value, pos_key, pos_query, None, keys)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(actual, two)
+    within_bfloat16(actual, formula(positions, query, key, value, pos_key, pos_query, None, keys), value)
+
+
+@needs_amx
+def test_a_row_with_no_key_comes_out_zero():
+    positions, query, key, value, pos_key, pos_query = inputs(40, 256, 256, 512, batch=1, heads=2)
+    keep = torch.zeros(1, 40, dtype=torch.uint8)
+    assert fused(positions, query, key, value, pos_key, pos_query, keep, slice(0, 40)).eq(0).all()
+
+
+@needs_amx
+def test_pytorchs_amx_operators_are_unchanged_around_it():
+    """oneDNN's bfloat16 products and the CPU flash attention configure AMX tiles too: the same calls before and
+    after the fused kernel (which configures its own and releases them) give the same bits."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 300, 64, generator=generator).to(torch.bfloat16) for _ in range(3))
+    a, b = (torch.randn(300, 256, generator=generator).to(torch.bfloat16) for _ in range(2))
+
+    def pytorch():
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v), a @ b.T
+
+    before = pytorch()
+    positions, query, key, value, pos_key, pos_query = inputs(600, 256, 256, 512)
+    fused(positions, query, key, value, pos_key, pos_query, None, slice(0, 600))
+    after = pytorch()
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
+def model(**overrides) -> disentangled.DisentangledModel:
+    """64 dimensions per head, as every released DeBERTa has (the fused kernel's only size)."""
+    config = disentangled.DisentangledConfig(
+        **dict(
+            vocab_size=100,
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=256,
+            position_buckets=32,
+            max_relative_positions=128,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        | overrides
+    )
+    torch.manual_seed(0)
+    built = disentangled.DisentangledModel(config)
+    inflate_weights(built)
+    built.set_attn_implementation("eager")
+    return built.eval()
+
+
+VARIANTS = {
+    "v3": {},
+    "c2p-only": dict(pos_att_type="c2p"),
+    "p2c-only": dict(pos_att_type="p2c"),
+    "clipped": dict(position_buckets=-1, max_relative_positions=24),
+}
+
+
+@needs_amx
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_model_in_bfloat16_within_twice_eagers_error(monkeypatch, variant):
+    """A bfloat16 model through the fused kernel (padded batch, one sequence of padding only): its error against
+    eager in float32 is at most twice eager's own bfloat16 error, and so is the unfused kernel path's."""
+    reference = model(**VARIANTS[variant])
+    low_eager = copy.deepcopy(reference).to(torch.bfloat16)
+    low_sdpa = copy.deepcopy(reference).to(torch.bfloat16)
+    low_sdpa.set_attn_implementation("sdpa")
+    batch = padded_batch(100, [300, 211, 1])
+    batch["attention_mask"][2] = 0  # padding only: uniform attention over every key, as in eager
+    real = batch["attention_mask"].bool()
+    calls = []
+    attend = cpu_inference.attend
+    monkeypatch.setattr(cpu_inference, "attend", lambda *args: calls.append(1) or attend(*args))
+    with torch.no_grad():
+        expected = reference(**batch).last_hidden_state
+        own = low_eager(**batch).last_hidden_state.float()
+        actual = low_sdpa(**batch).last_hidden_state.float()
+        assert calls  # the fused kernel ran
+        monkeypatch.setattr(cpu_inference, "USE_FUSED", False)
+        unfused = low_sdpa(**batch).last_hidden_state.float()
+    assert torch.isfinite(actual).all()
+    bound = 2 * max_abs_diff(own, expected, real) + 1e-3
+    assert max_abs_diff(actual, expected, real) <= bound
+    assert max_abs_diff(unfused, expected, real) <= bound
+    # the sequence of padding only: eager's uniform attention, within the same bound
+    assert max_abs_diff(actual[2], expected[2]) <= 2 * max_abs_diff(own[2], expected[2]) + 1e-3
+
+
+@pytest.mark.parametrize("case", ["float32", "head-size-32", "mask-of-pairs", "no-amx", "workspace"])
+def test_where_the_fused_kernel_does_not_run_the_others_do(monkeypatch, case):
+    """float32, heads of another size, a [B, L, L] mask of query-key pairs, a processor without AMX and a workspace
+    beyond FUSED_WORKSPACE_BYTES take the other paths; the output still matches eager."""
+    reference = model(**(dict(hidden_size=64) if case == "head-size-32" else {}))
+    dtype = torch.float32 if case == "float32" else torch.bfloat16
+    eager, sdpa = copy.deepcopy(reference).to(dtype), copy.deepcopy(reference).to(dtype)
+    sdpa.set_attn_implementation("sdpa")
+    if case == "no-amx":
+        monkeypatch.setattr(cpu_inference, "attend_available", lambda: False)
+    if case == "workspace":
+        monkeypatch.setattr(cpu_inference, "FUSED_WORKSPACE_BYTES", 1024)
+    calls = []
+    monkeypatch.setattr(cpu_inference, "attend", lambda *args: calls.append(1))
+    batch = padded_batch(100, [150, 97])
+    real = batch["attention_mask"].bool()
+    if case == "mask-of-pairs":  # the same padding, as pairs: every query row of a sequence to its own keys
+        batch["attention_mask"] = batch["attention_mask"][:, :, None] * batch["attention_mask"][:, None, :]
+    with torch.no_grad():
+        expected = reference(**batch).last_hidden_state[real]
+        own = eager(**batch).last_hidden_state[real].float()
+        actual = sdpa(**batch).last_hidden_state[real].float()
+    assert not calls
+    assert max_abs_diff(actual, expected) <= 2 * max_abs_diff(own, expected) + 1e-5
