@@ -195,14 +195,20 @@ def far_call_timings(lengths: list[int], repeats: int) -> None:
 
 def bias_cost_timings(cases: list[str], dtype: torch.dtype, repeats: int) -> None:
     """What a dense bias costs one layer of v3-base (12 heads of 64), per BATCHxLENGTH case, alone: one SDPA call
-    over every row without a bias, with a key bias ([B, 1, 1, L]) and with a dense one ([B, H, L, L]); and the
-    compiled kernel making that dense bias from T and U by bucket (`native.position_bias`). Median milliseconds."""
+    over every row without a bias, with a key bias ([B, 1, 1, L]) and with a dense one ([B, H, L, L]); the compiled
+    kernel making that dense bias from T and U by bucket (`native.position_bias`); and, in bfloat16 on AMX, the fused
+    attention that makes T, U and the bias inside its tiles (`native.attend`: the whole attention with both terms, to
+    set beside SDPA without a bias). Median milliseconds."""
     from disentangled.modeling import native
 
     heads = V3_BASE["num_attention_heads"]
     dim = V3_BASE["hidden_size"] // heads
     kernel = native.available()
-    print("\n| case | SDPA, no bias | key bias | dense bias | the kernel making it |\n|---|---|---|---|---|")
+    fused = dtype == torch.bfloat16 and native.attend_available()
+    print(
+        "\n| case | SDPA, no bias | key bias | dense bias | the kernel making it | fused attention, both terms |"
+        "\n|---|---|---|---|---|---|"
+    )
     generator = torch.Generator().manual_seed(0)
     for case in cases:
         batch, length = (int(part) for part in case.split("x"))
@@ -220,6 +226,12 @@ def bias_cost_timings(cases: list[str], dtype: torch.dtype, repeats: int) -> Non
         if kernel:  # into the dense bias's tensor (T's columns are not reversed here: the same work)
             arguments = (biases["dense"], *tables, *positions.kernel_columns, None, 0, 0)
             calls["kernel"] = partial(native.position_bias, *arguments)
+        if fused:  # Kr and Qr of 16-row multiples in the kernel's tile layout
+            relative = [native.as_key_tiles(randn(heads, -(-width // 16) * 16, dim) * 0.3) for _ in range(2)]
+            out = query.new_empty(batch, length, heads, dim)
+            workspace = torch.empty(native.workspace_bytes(length, relative[0].shape[1] * 16), dtype=torch.uint8)
+            arguments = (out, query, key, value, *relative, *positions.kernel_columns, None, slice(0, length))
+            calls["fused"] = partial(native.attend, *arguments, dim**-0.5, workspace)
         times = {name: [] for name in calls}
         with torch.inference_mode():
             for round_ in range(repeats + 1):  # interleaved; the first round warms up
@@ -230,7 +242,7 @@ def bias_cost_timings(cases: list[str], dtype: torch.dtype, repeats: int) -> Non
                         times[name].append(time.perf_counter() - start)
         cells = [
             f"{statistics.median(times[name]) * 1e3:.1f} ms" if name in times else "-"
-            for name in ("none", "key", "dense", "kernel")
+            for name in ("none", "key", "dense", "kernel", "fused")
         ]
         print(f"| {case} | {' | '.join(cells)} |")
 

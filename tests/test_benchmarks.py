@@ -256,14 +256,16 @@ def test_cpu_inference_variants_run_and_restore_the_module_constants(capsys):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cpu_inference_bias_cost_prints_sdpa_with_each_bias_and_the_kernel(capsys, dtype):
-    """--bias-cost times SDPA without a bias, with a key bias and with a dense one, and the kernel where it runs."""
+    """--bias-cost times SDPA without a bias, with a key bias and with a dense one, the kernel where it runs, and the
+    fused attention in bfloat16 where AMX is."""
     from benchmarks import cpu_inference
     from disentangled.modeling import native
 
     cpu_inference.main(["--bias-cost", "--cases", "1x96", "2x64", "--repeats", "1", "--dtype", dtype])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1x96 |", "| 2x64 |"))]
     assert len(rows) == 2
-    assert all(row.count(" ms |") == (4 if native.available() else 3) for row in rows)
+    fused = dtype == "bfloat16" and native.attend_available()
+    assert all(row.count(" ms |") == 3 + native.available() + fused for row in rows)
 
 
 def test_cpu_inference_products_print_both_layouts_for_each_shape(capsys):
