@@ -200,6 +200,33 @@ VARIANTS = {
 
 @needs_amx
 @pytest.mark.parametrize("variant", list(VARIANTS))
+def test_packed_sequences_in_bfloat16_within_twice_eagers_error(monkeypatch, variant):
+    """Packed sequences ([1, T] with cu_seqlens) run one sequence at a time, each through the fused kernel: within
+    twice eager's own bfloat16 error of the padded batch in float32."""
+    reference = model(**VARIANTS[variant])
+    low_eager = copy.deepcopy(reference).to(torch.bfloat16)
+    low_sdpa = copy.deepcopy(reference).to(torch.bfloat16)
+    low_sdpa.set_attn_implementation("sdpa")
+    batch = padded_batch(100, [300, 211, 17])
+    real = batch["attention_mask"].bool()
+    lengths = batch["attention_mask"].sum(-1)
+    packed = {
+        "input_ids": batch["input_ids"][real][None],
+        "cu_seqlens": torch.cat([torch.zeros(1), lengths.cumsum(0)]).long(),
+    }
+    calls = []
+    attend = cpu_inference.attend
+    monkeypatch.setattr(cpu_inference, "attend", lambda *args: calls.append(1) or attend(*args))
+    with torch.no_grad():
+        expected = reference(**batch).last_hidden_state[real]
+        own = low_eager(**batch).last_hidden_state[real].float()
+        actual = low_sdpa(**packed).last_hidden_state[0].float()
+    assert len(calls) == 3 * reference.config.num_hidden_layers  # each sequence, each layer
+    assert max_abs_diff(actual, expected) <= 2 * max_abs_diff(own, expected) + 1e-3
+
+
+@needs_amx
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_model_in_bfloat16_within_twice_eagers_error(monkeypatch, variant):
     """A bfloat16 model through the fused kernel (padded batch, one sequence of padding only): its error against
     eager in float32 is at most twice eager's own bfloat16 error, and so is the unfused kernel path's."""
@@ -228,11 +255,15 @@ def test_model_in_bfloat16_within_twice_eagers_error(monkeypatch, variant):
     assert max_abs_diff(actual[2], expected[2]) <= 2 * max_abs_diff(own[2], expected[2]) + 1e-3
 
 
-@pytest.mark.parametrize("case", ["float32", "head-size-32", "mask-of-pairs", "no-amx", "workspace"])
+CASES = ["float32", "head-size-32", "mask-of-pairs", "no-amx", "workspace", "p2p"]
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_where_the_fused_kernel_does_not_run_the_others_do(monkeypatch, case):
-    """float32, heads of another size, a [B, L, L] mask of query-key pairs, a processor without AMX and a workspace
-    beyond FUSED_WORKSPACE_BYTES take the other paths; the output still matches eager."""
-    reference = model(**(dict(hidden_size=64) if case == "head-size-32" else {}))
+    """float32, heads of another size, a [B, L, L] mask of query-key pairs, a processor without AMX, a workspace
+    beyond FUSED_WORKSPACE_BYTES and the p2p term take the other paths; the output still matches eager."""
+    overrides = {"head-size-32": dict(hidden_size=64), "p2p": dict(pos_att_type="c2p|p2c|p2p")}.get(case, {})
+    reference = model(**overrides)
     dtype = torch.float32 if case == "float32" else torch.bfloat16
     eager, sdpa = copy.deepcopy(reference).to(dtype), copy.deepcopy(reference).to(dtype)
     sdpa.set_attn_implementation("sdpa")
@@ -252,3 +283,23 @@ def test_where_the_fused_kernel_does_not_run_the_others_do(monkeypatch, case):
         actual = sdpa(**batch).last_hidden_state[real].float()
     assert not calls
     assert max_abs_diff(actual, expected) <= 2 * max_abs_diff(own, expected) + 1e-5
+
+
+@needs_amx
+def test_training_never_runs_it_and_float32_gradients_match_eager(monkeypatch):
+    """With gradients the fused kernel (inference only) is not called: a bfloat16 model with gradients goes the
+    blocked way, and float32 gradients match eager's to 1e-4."""
+    reference = model()
+    sdpa = copy.deepcopy(reference)
+    sdpa.set_attn_implementation("sdpa")
+    calls = []
+    monkeypatch.setattr(cpu_inference, "attend", lambda *args: calls.append(1))
+    batch = padded_batch(100, [150, 97])
+    copy.deepcopy(sdpa).to(torch.bfloat16)(**batch).last_hidden_state.float().sum().backward()
+    for built in (reference, sdpa):
+        built(**batch).last_hidden_state[batch["attention_mask"].bool()].square().mean().backward()
+    assert not calls
+    for (name, theirs), ours in zip(reference.named_parameters(), sdpa.parameters()):
+        if theirs.grad is not None:
+            scale = theirs.grad.abs().max().item()
+            assert max_abs_diff(ours.grad, theirs.grad) <= 1e-4 * max(scale, 1e-8), name
