@@ -140,7 +140,7 @@ def _build() -> ctypes.CDLL | None:
         return None
     loaded.position_bias.argtypes = [ctypes.POINTER(_BiasArgs), ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     loaded.position_bias.restype = ctypes.c_int
-    loaded.attend.argtypes = [ctypes.POINTER(_AttendArgs), ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    loaded.attend.argtypes = [ctypes.POINTER(_AttendArgs), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     loaded.attend.restype = ctypes.c_int
     loaded.workspace_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
     loaded.workspace_bytes.restype = ctypes.c_int64
@@ -223,9 +223,13 @@ def _bias_args(out, c2p, p2c, column, c2p_column, keep, first_row, first_key, he
     )
 
 
-def attend_available() -> bool:
-    """Whether `attend` can run here: the kernel built with AMX and AVX512-BF16 (a processor that has them), and
-    this process allowed the AMX tiles."""
+def attend_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether `attend` can run here in `dtype`: bfloat16 needs the kernel built with AMX and AVX512-BF16 (a
+    processor that has them) and this process allowed the AMX tiles; float32 needs the kernel (AVX-512)."""
+    if dtype == torch.float32:
+        return available()
+    if dtype != torch.bfloat16:
+        return False
     if "attend" not in _state:
         library = _library()
         _state["attend"] = bool(library is not None and library.attend_available())
@@ -233,9 +237,12 @@ def attend_available() -> bool:
 
 
 def as_key_tiles(rows: Tensor) -> Tensor:
-    """[H, W, 64] bfloat16 rows (W a multiple of 16) in the layout of `attend`'s AMX key tiles: for each 16 rows and
-    each half of the dimensions, the transpose of the rows read as 32-bit pairs, [H, W / 16, 2, 16, 16] int32."""
+    """[H, W, 64] relative rows (W a multiple of 16) in the layout `attend` reads them in. bfloat16: AMX's key tiles,
+    for each 16 rows and each half of the dimensions the transpose of the rows read as 32-bit pairs, [H, W / 16, 2,
+    16, 16] int32. float32: for each 16 rows their transpose, [H, W / 16, 64, 16]."""
     heads, width, dim = rows.shape
+    if rows.dtype == torch.float32:
+        return rows.contiguous().view(heads, width // 16, 16, dim).transpose(-1, -2).contiguous()
     pairs = rows.contiguous().view(torch.int32).view(heads, width // 16, 16, 2, dim // 4)
     return pairs.permute(0, 1, 3, 4, 2).contiguous()
 
@@ -254,20 +261,25 @@ def attend(
     scale: float,
     workspace: Tensor,
 ) -> Tensor:
-    """Attention with the position terms made inside the tile, in bfloat16 on AMX (`position_bias.c`, attend):
+    """Attention with the position terms made inside the tile (`position_bias.c`, attend), in bfloat16 on AMX or in
+    float32 with AVX-512:
     out [g, L, H, 64] = softmax(scale q kᵀ + c2p + p2c) v over the keys of `keys` that `keep` marks 1, for query,
     key and value [g, H, L, 64] (any strides with a contiguous last dimension), where c2p[i, j] = q_i . Kr[c(i - j)]
     and p2c[i, j] = k_j . Qr[c(i - j)] with the columns `column` and `c2p_column` of `position_bias`; `pos_key` is
     Kr with its rows reversed and `pos_query` Qr, [H, W, 64] with W a multiple of 16, each in `as_key_tiles` layout
-    (or None without that term); keep uint8 [g | 1, keys] or None; `workspace` uint8 of at least
+    (or None without that term), all tensors of one dtype; keep uint8 [g | 1, keys] or None; `workspace` uint8 of at least
     `workspace_bytes(keys, W)`. A row with no key to attend to comes out 0."""
     library = _library()
     groups, heads, length, dim = query.shape
     tables = [t for t in (pos_key, pos_query) if t is not None]
-    if dim != 64 or any(t.dtype != torch.bfloat16 or t.stride(-1) != 1 for t in (out, query, key, value)):
-        raise ValueError("attend: bfloat16 tensors of 64 dimensions per head, each with a contiguous last dimension")
-    if not tables or any(t.dtype != torch.int32 or not t.is_contiguous() or t.shape[0] != heads for t in tables):
-        raise ValueError("attend: give Kr or Qr (or both) in as_key_tiles layout, one per head")
+    dtype = query.dtype
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"attend: bfloat16 or float32 tensors, not {dtype}")
+    if dim != 64 or any(t.dtype != dtype or t.stride(-1) != 1 for t in (out, query, key, value)):
+        raise ValueError("attend: tensors of one dtype, 64 dimensions per head, each with a contiguous last dimension")
+    packed = torch.int32 if dtype == torch.bfloat16 else torch.float32
+    if not tables or any(t.dtype != packed or not t.is_contiguous() or t.shape[0] != heads for t in tables):
+        raise ValueError("attend: give Kr or Qr (or both) in as_key_tiles layout of the tensors' dtype, one per head")
     width, count = tables[0].shape[1] * 16, keys.stop - keys.start
     if workspace.numel() < workspace_bytes(count, width):
         raise ValueError("attend: the workspace is too small (see workspace_bytes)")
@@ -296,8 +308,8 @@ def attend(
     args.out_sequence, args.out_row, args.out_head = out.stride(0), out.stride(1), out.stride(2)
     threads, planes = torch.get_num_threads(), groups * heads
     chunks = -(-threads // planes) if planes < threads else 1  # each plane's rows in parts where planes are few
-    if library.attend(ctypes.byref(args), planes, chunks, threads):
-        raise ValueError("attend: not built with AMX here")
+    if library.attend(ctypes.byref(args), query.element_size(), planes, chunks, threads):
+        raise ValueError("attend: not built for this dtype here (bfloat16 needs AMX)")
     return out
 
 

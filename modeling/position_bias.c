@@ -18,7 +18,10 @@
    registers. A tile whose every distance reads the table's first or last column (beyond the buckets' reach) is a
    row constant plus a key bias. The planes are shared between OpenMP threads of the runtime PyTorch already
    loaded (libgomp.so.1 is found by its name), so that the kernel and PyTorch's operators never compete for
-   cores. */
+   cores.
+
+   Below position_bias(), attend() runs the whole attention with that tile code inside it (the bias never written):
+   on the AMX tiles in bfloat16, and with AVX-512 products in float32. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -267,7 +270,7 @@ int position_bias(const BiasArgs *args, int64_t element_size, int64_t planes, in
     return 0;
 }
 
-/* ---- Attention with the position terms made inside the tile (bfloat16, AMX) ----
+/* ---- Attention with the position terms made inside the tile (bfloat16 on AMX; float32 below) ----
 
    attend() computes, for each (sequence, head) plane and query row i, over the keys j of [first_key, first_key + keys):
 
@@ -289,13 +292,14 @@ int position_bias(const BiasArgs *args, int64_t element_size, int64_t planes, in
    tile's row r keys 2r, 2r + 1 of 16 dimensions. Kr (rows reversed) and Qr come packed as key tiles. */
 
 typedef struct {
-    const uint16_t *query, *key, *value; /* [sequences, heads, length, 64] bfloat16 at the strides below */
+    const uint16_t *query, *key, *value; /* [sequences, heads, length, 64] bfloat16 (float32: read as float) */
     int64_t query_sequence, query_head, query_row;
     int64_t key_sequence, key_head, key_row;
     int64_t value_sequence, value_head, value_row;
     uint16_t *out;                       /* [sequences, length, heads, 64] at its strides */
     int64_t out_sequence, out_head, out_row;
-    const uint32_t *pos_key;             /* Kr, rows reversed, as key tiles: [heads, width / 16, 2, 16, 16]; or NULL */
+    const uint32_t *pos_key;             /* Kr, rows reversed, as key tiles: [heads, width / 16, 2, 16, 16] pairs
+                                            (float32: [heads, width / 16, 64, 16]); or NULL */
     const uint32_t *pos_query;           /* Qr as key tiles; or NULL */
     int64_t width;                       /* W, the table columns, a multiple of 16 */
     const int32_t *column, *c2p_column;  /* as position_bias reads them */
@@ -312,20 +316,15 @@ typedef struct {
 
 static int64_t padded_keys(int64_t keys) { return (keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK; }
 
-/* One thread's workspace: the plane's packed keys and values, U ([padded keys, W] float32) and its edge columns,
-   and a block's T ([16, W] float32), each table with 16 spare elements (the tile loads read 16 columns). */
+/* One thread's workspace: the plane's packed keys and values (bfloat16) or keys (float32), padded x 64 x 4 bytes
+   either way, U ([padded keys, W] float32) and its edge columns, and a block's T ([16, W] float32), each table
+   with 16 spare elements (the tile loads read 16 columns). */
 int64_t workspace_bytes(int64_t keys, int64_t width) {
     const int64_t padded = padded_keys(keys);
     return padded * DIM * 2 * 2 + (padded * width + 16) * 4 + padded * 2 * 4 + (QUERY_ROWS * width + 16) * 4 + 64;
 }
 
-#ifdef HAVE_AMX
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-} TileConfig;
-
+#ifdef HAVE_AVX512
 /* e^x in float32 for x <= 0: 2^n e^r with n = round(x / ln 2), r = x - n ln 2 in two parts, e^r by its Taylor
    polynomial to r^6 (|r| <= ln 2 / 2: relative error under 2e-7). Below -87 (-inf included) it is exactly 0: the
    result would be subnormal there, and arithmetic on subnormals takes the processor's slow path. */
@@ -345,6 +344,85 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_maskz_scalef_ps(normal, p, n);
 }
+
+/* Keys b0 .. b0 + 15 of 16 score rows (row stride KEY_BLOCK) holding q . k: scale them and add the position terms
+   (rows and keys past the last take the element-by-element edge), -inf for the keys past the last and those that
+   keep leaves out. */
+static inline void add_position_terms(const Terms *s, float *tile, int64_t b0, int64_t rows, int64_t keys,
+                                      const uint8_t *keep, float scale) {
+    if (b0 >= keys) {
+        for (int r = 0; r < 16; r++) _mm512_storeu_ps(tile + r * KEY_BLOCK, _mm512_set1_ps(-INFINITY));
+        return;
+    }
+    __mmask16 out = b0 + 16 > keys ? (__mmask16)(0xffff << (keys - b0)) : 0; /* past the last key */
+    if (keep) {
+        __m128i flags = _mm_setzero_si128();
+        if (b0 + 16 <= keys) flags = _mm_loadu_si128((const __m128i *)(keep + b0));
+        else memcpy(&flags, keep + b0, (size_t)(keys - b0));
+        out |= _mm_cmpeq_epi8_mask(flags, _mm_setzero_si128());
+    }
+    if (rows == QUERY_ROWS && b0 + 16 <= keys / 16 * 16) {
+        __m512 m[16];
+        if (s->t && s->u) bias_tile(s, 0, b0, m, 0, 1, 1);
+        else if (s->t) bias_tile(s, 0, b0, m, 0, 1, 0);
+        else bias_tile(s, 0, b0, m, 0, 0, 1);
+        for (int r = 0; r < 16; r++) {
+            const __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(tile + r * KEY_BLOCK), _mm512_set1_ps(scale), m[r]);
+            _mm512_storeu_ps(tile + r * KEY_BLOCK, _mm512_mask_mov_ps(v, out, _mm512_set1_ps(-INFINITY)));
+        }
+        return;
+    }
+    for (int r = 0; r < 16; r++) /* an edge: element by element */
+        for (int c = 0; c < 16; c++) {
+            float *score = tile + r * KEY_BLOCK + c;
+            if ((out >> c) & 1) *score = -INFINITY;
+            else *score = *score * scale + (r < rows ? bias_at(s, r, b0 + c, 0) : 0.0f);
+        }
+}
+
+/* The online softmax over one block of 16 x KEY_BLOCK scores: weights = e^(score - running maximum), in bfloat16 or
+   float32; the running maximum and sum of each row; and the factor that rescales the row's context so far. */
+static inline __attribute__((always_inline)) void online_softmax(const float *scores, float *maximum, float *total,
+                                                                float *rescale, void *weights, const int bf16) {
+    for (int r = 0; r < QUERY_ROWS; r++) {
+        const float *row = scores + r * KEY_BLOCK;
+        __m512 v[KEY_BLOCK / 16], highest = _mm512_set1_ps(-INFINITY);
+        for (int c = 0; c < KEY_BLOCK / 16; c++) {
+            v[c] = _mm512_loadu_ps(row + 16 * c);
+            highest = _mm512_max_ps(highest, v[c]);
+        }
+        const float block_highest = _mm512_reduce_max_ps(highest);
+        const float updated = block_highest > maximum[r] ? block_highest : maximum[r];
+        /* 0, not a subnormal, where the maximum rose by more than 87 (see exp16) */
+        rescale[r] = updated == -INFINITY ? 1.0f : maximum[r] - updated < -87.0f ? 0.0f : expf(maximum[r] - updated);
+        maximum[r] = updated;
+        const __m512 shift = _mm512_set1_ps(updated == -INFINITY ? 0.0f : updated);
+        __m512 sum = _mm512_setzero_ps();
+        for (int c = 0; c < KEY_BLOCK / 16; c++) {
+            const __m512 w = exp16(_mm512_sub_ps(v[c], shift));
+            sum = _mm512_add_ps(sum, w);
+            if (bf16) {
+#ifdef __AVX512BF16__
+                _mm256_storeu_si256((__m256i *)((uint16_t *)weights + r * KEY_BLOCK + 16 * c), (__m256i)_mm512_cvtneps_pbh(w));
+#else
+                _mm256_storeu_si256((__m256i *)((uint16_t *)weights + r * KEY_BLOCK + 16 * c), round_bf16(w));
+#endif
+            } else {
+                _mm512_storeu_ps((float *)weights + r * KEY_BLOCK + 16 * c, w);
+            }
+        }
+        total[r] = total[r] * rescale[r] + _mm512_reduce_add_ps(sum);
+    }
+}
+
+#endif
+
+#ifdef HAVE_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} TileConfig;
 
 /* out[16, W] = the 16 rows in tiles 4 and 5 against the relative rows packed as key tiles (W / 16 of them). */
 static void table_rows(const uint32_t *packed, int64_t width, float *out) {
@@ -417,9 +495,7 @@ static void attend_rows(const AttendArgs *x, int64_t sequence, int64_t head, int
     const int64_t length = x->length, keys = x->keys, padded = padded_keys(keys), width = x->width;
     const uint32_t *key_tiles = (const uint32_t *)workspace, *value_tiles = key_tiles + padded * DIM / 2;
     const uint8_t *keep = x->keep ? x->keep + sequence * x->keep_sequence : NULL;
-    const int with_c2p = x->pos_key != NULL, with_p2c = x->pos_query != NULL;
     const int64_t rows = length - a0 < QUERY_ROWS ? length - a0 : QUERY_ROWS;
-    const int64_t tiled_keys = keys / 16 * 16;
     __attribute__((aligned(64))) uint16_t query[QUERY_ROWS * DIM], weights[QUERY_ROWS * KEY_BLOCK];
     __attribute__((aligned(64))) float scores[QUERY_ROWS * KEY_BLOCK], context[QUERY_ROWS * DIM], block[QUERY_ROWS * DIM];
     float maximum[QUERY_ROWS], total[QUERY_ROWS];
@@ -427,14 +503,13 @@ static void attend_rows(const AttendArgs *x, int64_t sequence, int64_t head, int
               query);
     _tile_loadd(4, query, DIM * 2);
     _tile_loadd(5, query + 32, DIM * 2);
-    if (with_c2p) table_rows(x->pos_key + head * (width / 16) * 2 * 256, width, (float *)s->t); /* T of the rows */
+    if (x->pos_key) table_rows(x->pos_key + head * (width / 16) * 2 * 256, width, (float *)s->t); /* T of the rows */
     s->first_row = a0;
     for (int r = 0; r < QUERY_ROWS; r++) {
         maximum[r] = -INFINITY;
         total[r] = 0.0f;
     }
     memset(context, 0, sizeof(context));
-    const __m512 scale = _mm512_set1_ps(x->scale);
     for (int64_t k0 = 0; k0 < keys; k0 += KEY_BLOCK) {
         /* scores = q k^T of the block, 64 keys at a time: tile n holds keys 16n .. 16n + 15 of the 64 */
         _tile_loadd(4, query, DIM * 2);
@@ -452,61 +527,10 @@ static void attend_rows(const AttendArgs *x, int64_t sequence, int64_t head, int
             SCORES(0) SCORES(1) SCORES(2) SCORES(3)
 #undef SCORES
         }
-        /* + the position terms, and the keys left out at -inf */
-        for (int64_t b0 = k0; b0 < k0 + KEY_BLOCK; b0 += 16) {
-            float *tile = scores + (b0 - k0);
-            if (b0 >= keys) {
-                for (int r = 0; r < 16; r++) _mm512_storeu_ps(tile + r * KEY_BLOCK, _mm512_set1_ps(-INFINITY));
-                continue;
-            }
-            __mmask16 out = b0 + 16 > keys ? (__mmask16)(0xffff << (keys - b0)) : 0; /* past the last key */
-            if (keep) {
-                __m128i flags = _mm_setzero_si128();
-                if (b0 + 16 <= keys) flags = _mm_loadu_si128((const __m128i *)(keep + b0));
-                else memcpy(&flags, keep + b0, (size_t)(keys - b0));
-                out |= _mm_cmpeq_epi8_mask(flags, _mm_setzero_si128());
-            }
-            if (rows == QUERY_ROWS && b0 + 16 <= tiled_keys) {
-                __m512 m[16];
-                if (with_c2p && with_p2c) bias_tile(s, 0, b0, m, 0, 1, 1);
-                else if (with_c2p) bias_tile(s, 0, b0, m, 0, 1, 0);
-                else bias_tile(s, 0, b0, m, 0, 0, 1);
-                for (int r = 0; r < 16; r++) {
-                    const __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(tile + r * KEY_BLOCK), scale, m[r]);
-                    _mm512_storeu_ps(tile + r * KEY_BLOCK, _mm512_mask_mov_ps(v, out, _mm512_set1_ps(-INFINITY)));
-                }
-            } else { /* an edge: element by element */
-                for (int r = 0; r < 16; r++)
-                    for (int c = 0; c < 16; c++) {
-                        float *score = tile + r * KEY_BLOCK + c;
-                        if ((out >> c) & 1) *score = -INFINITY;
-                        else *score = *score * x->scale + (r < rows ? bias_at(s, r, b0 + c, 0) : 0.0f);
-                    }
-            }
-        }
-        /* the online softmax: weights = e^(score - running maximum), the context so far rescaled to it */
+        /* + the position terms, and the keys left out at -inf; then the online softmax */
+        for (int64_t b0 = k0; b0 < k0 + KEY_BLOCK; b0 += 16) add_position_terms(s, scores + (b0 - k0), b0, rows, keys, keep, x->scale);
         float rescale[QUERY_ROWS];
-        for (int r = 0; r < QUERY_ROWS; r++) {
-            const float *row = scores + r * KEY_BLOCK;
-            __m512 v[KEY_BLOCK / 16], highest = _mm512_set1_ps(-INFINITY);
-            for (int c = 0; c < KEY_BLOCK / 16; c++) {
-                v[c] = _mm512_loadu_ps(row + 16 * c);
-                highest = _mm512_max_ps(highest, v[c]);
-            }
-            const float block_highest = _mm512_reduce_max_ps(highest);
-            const float updated = block_highest > maximum[r] ? block_highest : maximum[r];
-            /* 0, not a subnormal, where the maximum rose by more than 87 (see exp16) */
-            rescale[r] = updated == -INFINITY ? 1.0f : maximum[r] - updated < -87.0f ? 0.0f : expf(maximum[r] - updated);
-            maximum[r] = updated;
-            const __m512 shift = _mm512_set1_ps(updated == -INFINITY ? 0.0f : updated);
-            __m512 sum = _mm512_setzero_ps();
-            for (int c = 0; c < KEY_BLOCK / 16; c++) {
-                const __m512 w = exp16(_mm512_sub_ps(v[c], shift));
-                sum = _mm512_add_ps(sum, w);
-                _mm256_storeu_si256((__m256i *)(weights + r * KEY_BLOCK + 16 * c), (__m256i)_mm512_cvtneps_pbh(w));
-            }
-            total[r] = total[r] * rescale[r] + _mm512_reduce_add_ps(sum);
-        }
+        online_softmax(scores, maximum, total, rescale, weights, 1);
         /* block = weights v: tile n holds dimensions 16n .. 16n + 15, over the block's keys 32 at a time */
         _tile_zero(0);
         _tile_zero(1);
@@ -548,6 +572,104 @@ static void attend_rows(const AttendArgs *x, int64_t sequence, int64_t head, int
 }
 #endif
 
+/* ---- The same attention in float32, with AVX-512 products (no AMX) ----
+
+   The same order and the same tile code; q k^T, p v, T and U are products of 16 rows against 16 columns in 16
+   registers (one broadcast and one fused multiply-add per row and dimension), the keys packed as 16-key columns
+   ([keys / 16][64][16]), the values read as they are. */
+
+#ifdef HAVE_AVX512
+/* acc[r] = a[r] . b[:, c] for 16 rows of a (64 floats each) and the 16 columns of b ([64][16]) */
+static inline __attribute__((always_inline)) void product16(const float *a, const float *b, __m512 acc[16]) {
+    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+    for (int d = 0; d < DIM; d++) {
+        const __m512 column = _mm512_loadu_ps(b + 16 * d);
+        for (int r = 0; r < 16; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * DIM + d]), column, acc[r]);
+    }
+}
+
+static void copy_rows_f32(const float *rows, int64_t stride, int64_t count, float *into) {
+    for (int r = 0; r < 16; r++)
+        for (int c = 0; c < DIM; c += 16)
+            _mm512_storeu_ps(into + r * DIM + c, r < count ? _mm512_loadu_ps(rows + r * stride + c) : _mm512_setzero_ps());
+}
+
+/* out[16][width] = a (16 x 64) against rows packed [width / 16][64][16] */
+static void table_rows_f32(const float *a, const float *packed, int64_t width, float *out) {
+    for (int64_t c0 = 0; c0 < width; c0 += 16) {
+        __m512 acc[16];
+        product16(a, packed + c0 * DIM, acc);
+        for (int r = 0; r < 16; r++) _mm512_storeu_ps(out + r * width + c0, acc[r]);
+    }
+}
+
+static void pack_plane_f32(const AttendArgs *x, int64_t sequence, int64_t head, char *workspace, Terms *s) {
+    const int64_t keys = x->keys, padded = padded_keys(keys), width = x->width;
+    float *key_tiles = (float *)workspace; /* [padded / 16][64][16] */
+    float *u = key_tiles + padded * DIM;
+    const float *k = (const float *)x->key + sequence * x->key_sequence + head * x->key_head + x->first_key * x->key_row;
+    __attribute__((aligned(64))) float rows[16 * DIM];
+    for (int64_t j0 = 0; j0 < padded; j0 += 16) {
+        copy_rows_f32(k + j0 * x->key_row, x->key_row, keys - j0, rows);
+        for (int q = 0; q < 4; q++) { /* dimensions 16q .. 16q + 15 */
+            __m512 m[16];
+            for (int n = 0; n < 16; n++) m[n] = _mm512_loadu_ps(rows + n * DIM + 16 * q);
+            transpose16(m);
+            for (int r = 0; r < 16; r++) _mm512_storeu_ps(key_tiles + (j0 / 16) * DIM * 16 + (16 * q + r) * 16, m[r]);
+        }
+        if (x->pos_query && j0 < keys)
+            table_rows_f32(rows, (const float *)x->pos_query + head * width * DIM, width, u + j0 * width);
+    }
+    if (x->pos_query) fill_edges(s, u + padded * width + 16, keys / 16 * 16, 0);
+}
+
+static void attend_rows_f32(const AttendArgs *x, int64_t sequence, int64_t head, int64_t a0, char *workspace, Terms *s) {
+    const int64_t length = x->length, keys = x->keys, width = x->width;
+    const float *key_tiles = (const float *)workspace;
+    const float *v = (const float *)x->value + sequence * x->value_sequence + head * x->value_head + x->first_key * x->value_row;
+    const uint8_t *keep = x->keep ? x->keep + sequence * x->keep_sequence : NULL;
+    const int64_t rows = length - a0 < QUERY_ROWS ? length - a0 : QUERY_ROWS;
+    __attribute__((aligned(64))) float query[QUERY_ROWS * DIM], weights[QUERY_ROWS * KEY_BLOCK];
+    __attribute__((aligned(64))) float scores[QUERY_ROWS * KEY_BLOCK], context[QUERY_ROWS * DIM];
+    float maximum[QUERY_ROWS], total[QUERY_ROWS];
+    copy_rows_f32((const float *)x->query + sequence * x->query_sequence + head * x->query_head + a0 * x->query_row,
+                  x->query_row, rows, query);
+    if (x->pos_key) table_rows_f32(query, (const float *)x->pos_key + head * width * DIM, width, (float *)s->t);
+    s->first_row = a0;
+    for (int r = 0; r < QUERY_ROWS; r++) maximum[r] = -INFINITY, total[r] = 0.0f;
+    memset(context, 0, sizeof(context));
+    for (int64_t k0 = 0; k0 < keys; k0 += KEY_BLOCK) {
+        /* scores = q k^T, 16 keys at a time, + the position terms; then the online softmax */
+        for (int64_t b0 = k0; b0 < k0 + KEY_BLOCK && b0 < keys; b0 += 16) {
+            __m512 acc[16];
+            product16(query, key_tiles + (b0 / 16) * DIM * 16, acc);
+            for (int r = 0; r < 16; r++) _mm512_storeu_ps(scores + (b0 - k0) + r * KEY_BLOCK, acc[r]);
+        }
+        for (int64_t b0 = k0; b0 < k0 + KEY_BLOCK; b0 += 16) add_position_terms(s, scores + (b0 - k0), b0, rows, keys, keep, x->scale);
+        float rescale[QUERY_ROWS];
+        online_softmax(scores, maximum, total, rescale, weights, 0);
+        /* context = context * rescale + weights v, 16 dimensions at a time */
+        const int64_t count = keys - k0 < KEY_BLOCK ? keys - k0 : KEY_BLOCK;
+        for (int t = 0; t < DIM; t += 16) {
+            __m512 acc[16];
+            for (int r = 0; r < 16; r++) acc[r] = _mm512_mul_ps(_mm512_loadu_ps(context + r * DIM + t), _mm512_set1_ps(rescale[r]));
+            for (int64_t k = 0; k < count; k++) {
+                const __m512 value = _mm512_loadu_ps(v + (k0 + k) * x->value_row + t);
+                for (int r = 0; r < 16; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(weights[r * KEY_BLOCK + k]), value, acc[r]);
+            }
+            for (int r = 0; r < 16; r++) _mm512_storeu_ps(context + r * DIM + t, acc[r]);
+        }
+    }
+    float *o = (float *)x->out + sequence * x->out_sequence + head * x->out_head + a0 * x->out_row;
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 inverse = _mm512_set1_ps(total[r] > 0.0f ? 1.0f / total[r] : 0.0f);
+        for (int c = 0; c < DIM; c += 16)
+            _mm512_storeu_ps(o + r * x->out_row + c, _mm512_mul_ps(_mm512_loadu_ps(context + r * DIM + c), inverse));
+    }
+}
+
+#endif
+
 /* Whether attend() can run here: built with AMX and AVX512-BF16, and the kernel let this process use the AMX tile
    data (Linux asks each process to request it; PyTorch's oneDNN may have already). */
 int attend_available(void) {
@@ -559,22 +681,32 @@ int attend_available(void) {
 }
 
 /* Every plane on `threads` OpenMP threads, each plane's rows in `chunks` parts (more than one where there are fewer
-   planes than threads). Returns 1 where it cannot run (no AMX build, or neither table). */
-int attend(const AttendArgs *x, int64_t planes, int64_t chunks, int threads) {
-#ifdef HAVE_AMX
-    if (x->pos_key == NULL && x->pos_query == NULL) return 1;
+   planes than threads); element_size 2 (bfloat16, on AMX) or 4 (float32). Returns 1 where it cannot run (bfloat16
+   without an AMX build, float32 without AVX-512, or neither table). */
+int attend(const AttendArgs *x, int64_t element_size, int64_t planes, int64_t chunks, int threads) {
+#ifdef HAVE_AVX512
+    const int bf16 = element_size == 2;
+#ifndef HAVE_AMX
+    if (bf16) return 1;
+#endif
+    if ((element_size != 2 && element_size != 4) || (x->pos_key == NULL && x->pos_query == NULL)) return 1;
     const int64_t blocks = (x->length + QUERY_ROWS - 1) / QUERY_ROWS, per_chunk = (blocks + chunks - 1) / chunks;
     const int64_t bytes = workspace_bytes(x->keys, x->width), padded = padded_keys(x->keys);
 #pragma omp parallel num_threads(threads)
     {
-        TileConfig config = {.palette = 1};
-        for (int t = 0; t < 8; t++) {
-            config.bytes_per_row[t] = 64;
-            config.rows[t] = 16;
+#ifdef HAVE_AMX
+        if (bf16) {
+            TileConfig config = {.palette = 1};
+            for (int t = 0; t < 8; t++) {
+                config.bytes_per_row[t] = 64;
+                config.rows[t] = 16;
+            }
+            _tile_loadconfig(&config);
         }
-        _tile_loadconfig(&config);
+#endif
+        /* the workspace: keys and values packed (padded x 64 x 4 bytes either way), U, its edges, a block's T */
         char *workspace = (char *)x->workspace + omp_get_thread_num() * bytes;
-        float *t = (float *)(workspace + padded * DIM * 2 * 2 + (padded * x->width + 16) * 4 + padded * 2 * 4);
+        float *t = (float *)(workspace + padded * DIM * 4 + (padded * x->width + 16) * 4 + padded * 2 * 4);
         int64_t packed = -1; /* the plane in the workspace */
         Terms s;
 #pragma omp for schedule(static)
@@ -583,7 +715,7 @@ int attend(const AttendArgs *x, int64_t planes, int64_t chunks, int threads) {
             if (plane != packed) {
                 s = (Terms){
                     .t = x->pos_key ? (const char *)t : NULL,
-                    .u = x->pos_query ? workspace + padded * DIM * 2 * 2 : NULL,
+                    .u = x->pos_query ? workspace + padded * DIM * 4 : NULL,
                     .t_row = x->width,
                     .u_row = x->width,
                     .forward = x->column,
@@ -591,18 +723,29 @@ int attend(const AttendArgs *x, int64_t planes, int64_t chunks, int threads) {
                     .length = x->length,
                     .first_key = x->first_key,
                 };
-                pack_plane(x, sequence, head, workspace, &s);
+#ifdef HAVE_AMX
+                if (bf16) pack_plane(x, sequence, head, workspace, &s);
+                else
+#endif
+                    pack_plane_f32(x, sequence, head, workspace, &s);
                 packed = plane;
             }
             const int64_t first = (item % chunks) * per_chunk, last = first + per_chunk < blocks ? first + per_chunk : blocks;
-            for (int64_t block = first; block < last; block++)
-                attend_rows(x, sequence, head, block * QUERY_ROWS, workspace, &s);
+            for (int64_t block = first; block < last; block++) {
+#ifdef HAVE_AMX
+                if (bf16) attend_rows(x, sequence, head, block * QUERY_ROWS, workspace, &s);
+                else
+#endif
+                    attend_rows_f32(x, sequence, head, block * QUERY_ROWS, workspace, &s);
+            }
         }
-        _tile_release();
+#ifdef HAVE_AMX
+        if (bf16) _tile_release();
+#endif
     }
     return 0;
 #else
-    (void)x, (void)planes, (void)chunks, (void)threads;
+    (void)x, (void)element_size, (void)planes, (void)chunks, (void)threads;
     return 1;
 #endif
 }

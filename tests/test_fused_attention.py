@@ -1,11 +1,12 @@
-"""Attention with the position terms made inside the tile, in bfloat16 on AMX (`native.attend`).
+"""Attention with the position terms made inside the tile (`native.attend`): bfloat16 on AMX, float32 with AVX-512.
 
-Against the formula written here in float32 (scale q.k + q.Kr[δ(i - j)] + k.Qr[δ(i - j)], softmax, times v): within
-twice the bfloat16 rounding of the formula's own result (plus one bfloat16 step of the values), over v3's buckets
-with tiles beyond the reach, small log buckets, clipped distances, either term alone, ragged rows and keys, key masks
-over a span of keys, and more threads than planes. Then the model in bfloat16 against eager in float32 (within twice
-eager's own bfloat16 error), the fallbacks where the fused kernel does not run, and PyTorch's own AMX operators
-before and after it (its tiles are released and configured per call).
+Against the formula written here in float32 (scale q.k + q.Kr[δ(i - j)] + k.Qr[δ(i - j)], softmax, times v): in
+bfloat16 within twice the bfloat16 rounding of the formula's own result (plus one bfloat16 step of the values), in
+float32 within 1e-5, over v3's buckets with tiles beyond the reach, small log buckets, clipped distances, either
+term alone, ragged rows and keys, key masks over a span of keys, and more threads than planes. Then the model against
+eager (float32: 1e-5; bfloat16: within twice eager's own bfloat16 error against float32), the fallbacks where the
+fused kernel does not run, and PyTorch's own AMX operators before and after it (its tiles are released and
+configured per call).
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ from disentangled.modeling.disentangled_attention import RelativePositions
 needs_amx = pytest.mark.skipif(
     not native.attend_available(), reason="the fused kernel needs AMX and AVX512-BF16 (and the compiled kernel)"
 )
+DTYPES = [
+    pytest.param(torch.bfloat16, id="bfloat16", marks=needs_amx),
+    pytest.param(
+        torch.float32,
+        id="float32",
+        marks=pytest.mark.skipif(not native.available(), reason=f"no kernel here: {native.why_unavailable()}"),
+    ),
+]
 
 # (length, span, buckets, max position): v3's own, small log buckets (runs of one column), clipped distances
 POSITIONS = {
@@ -33,12 +42,12 @@ POSITIONS = {
 SCALE = 0.125
 
 
-def inputs(length, span, buckets, max_position, batch=2, heads=3, seed=0):
+def inputs(length, span, buckets, max_position, batch=2, heads=3, seed=0, dtype=torch.bfloat16):
     positions = RelativePositions.build(length, span if buckets <= 0 else buckets, buckets, max_position, "cpu")
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=generator) * scale).to(torch.bfloat16)
+        return (torch.randn(*shape, generator=generator) * scale).to(torch.bfloat16).to(dtype)
 
     # the layout the model hands over: [B, H, L, 64] views of [B, L, H, 64]
     query, key, value = (randn(batch, length, heads, 64).transpose(1, 2) for _ in range(3))
@@ -74,7 +83,7 @@ def fused(positions, query, key, value, pos_key, pos_query, keep, keys: slice):
         rows = rows.flip(1) if reverse else rows
         return native.as_key_tiles(torch.nn.functional.pad(rows, (0, 0, 0, width - rows.shape[1])))
 
-    out = torch.full((query.shape[0], query.shape[2], query.shape[1], 64), float("nan"), dtype=torch.bfloat16)
+    out = torch.full((query.shape[0], query.shape[2], query.shape[1], 64), float("nan"), dtype=query.dtype)
     workspace = torch.empty(native.workspace_bytes(keys.stop - keys.start, width), dtype=torch.uint8)
     column, c2p_column = positions.kernel_columns
     native.attend(
@@ -84,21 +93,24 @@ def fused(positions, query, key, value, pos_key, pos_query, keep, keys: slice):
     return out
 
 
-def within_bfloat16(actual, expected, value):
-    """Twice the bfloat16 rounding of the formula's result, plus a bfloat16 step of the largest value (the kernel
-    rounds the softmax weights to bfloat16 for the product with v)."""
-    rounding = max_abs_diff(expected.to(torch.bfloat16).float(), expected)
-    tolerance = 2 * rounding + 2**-8 * value.float().abs().max().item()
+def within(actual, expected, value):
+    """float32: 1e-5 of the largest output. bfloat16: twice the bfloat16 rounding of the formula's result, plus a
+    bfloat16 step of the largest value (the kernel rounds the softmax weights to bfloat16 for the product with v)."""
+    if actual.dtype == torch.float32:
+        tolerance = 1e-5 * max(1.0, expected.abs().max().item())
+    else:
+        rounding = max_abs_diff(expected.to(torch.bfloat16).float(), expected)
+        tolerance = 2 * rounding + 2**-8 * value.float().abs().max().item()
     error = max_abs_diff(actual.float(), expected)
     assert error <= tolerance, (error, tolerance)
     return error
 
 
-@needs_amx
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("terms", ["both", "c2p", "p2c"])
 @pytest.mark.parametrize("setting", list(POSITIONS))
-def test_fused_kernel_matches_the_formula(setting, terms):
-    positions, query, key, value, pos_key, pos_query = inputs(*POSITIONS[setting])
+def test_fused_kernel_matches_the_formula(setting, terms, dtype):
+    positions, query, key, value, pos_key, pos_query = inputs(*POSITIONS[setting], dtype=dtype)
     pos_key = pos_key if terms in ("both", "c2p") else None
     pos_query = pos_query if terms in ("both", "p2c") else None
     length = query.shape[2]
@@ -110,25 +122,25 @@ def test_fused_kernel_matches_the_formula(setting, terms):
             keep[0, 5:9] = 0
         expected = formula(positions, query, key, value, pos_key, pos_query, keep, keys)
         actual = fused(positions, query, key, value, pos_key, pos_query, keep, keys)
-        within_bfloat16(actual, expected, value)
+        within(actual, expected, value)
 
 
-@needs_amx
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("length", [1, 5, 16, 17, 130])
-def test_fused_kernel_short_and_ragged_inputs(length):
+def test_fused_kernel_short_and_ragged_inputs(length, dtype):
     """Fewer rows and keys than a tile, one more than a tile, and a key block plus a ragged tile."""
-    positions, query, key, value, pos_key, pos_query = inputs(length, 256, 256, 512)
+    positions, query, key, value, pos_key, pos_query = inputs(length, 256, 256, 512, dtype=dtype)
     keys = slice(0, length)
     expected = formula(positions, query, key, value, pos_key, pos_query, None, keys)
-    within_bfloat16(fused(positions, query, key, value, pos_key, pos_query, None, keys), expected, value)
+    within(fused(positions, query, key, value, pos_key, pos_query, None, keys), expected, value)
 
 
-@needs_amx
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("threads", [1, 4])
-def test_fused_kernel_with_more_threads_than_planes(threads):
+def test_fused_kernel_with_more_threads_than_planes(threads, dtype):
     """One plane on 4 threads splits its rows into parts (each packs the plane itself); on 1 thread it is one part.
     The results are the same bits either way."""
-    positions, query, key, value, pos_key, pos_query = inputs(300, 256, 256, 512, batch=1, heads=1)
+    positions, query, key, value, pos_key, pos_query = inputs(300, 256, 256, 512, batch=1, heads=1, dtype=dtype)
     keys = slice(0, 300)
     before = torch.get_num_threads()
     try:
@@ -139,12 +151,12 @@ def test_fused_kernel_with_more_threads_than_planes(threads):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(actual, two)
-    within_bfloat16(actual, formula(positions, query, key, value, pos_key, pos_query, None, keys), value)
+    within(actual, formula(positions, query, key, value, pos_key, pos_query, None, keys), value)
 
 
-@needs_amx
-def test_a_row_with_no_key_comes_out_zero():
-    positions, query, key, value, pos_key, pos_query = inputs(40, 256, 256, 512, batch=1, heads=2)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_with_no_key_comes_out_zero(dtype):
+    positions, query, key, value, pos_key, pos_query = inputs(40, 256, 256, 512, batch=1, heads=2, dtype=dtype)
     keep = torch.zeros(1, 40, dtype=torch.uint8)
     assert fused(positions, query, key, value, pos_key, pos_query, keep, slice(0, 40)).eq(0).all()
 
@@ -255,20 +267,65 @@ def test_model_in_bfloat16_within_twice_eagers_error(monkeypatch, variant):
     assert max_abs_diff(actual[2], expected[2]) <= 2 * max_abs_diff(own[2], expected[2]) + 1e-3
 
 
-CASES = ["float32", "head-size-32", "mask-of-pairs", "no-amx", "workspace", "p2p"]
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.skipif(not native.available(), reason=f"no kernel here: {native.why_unavailable()}")
+def test_model_in_float32_matches_eager(monkeypatch, variant, layout):
+    """float32 through the fused kernel (AVX-512 products): padded with a sequence of padding only, and packed;
+    eager's outputs to 1e-5 of their largest, and the bias kernel's path to the same."""
+    reference = model(**VARIANTS[variant])
+    sdpa = copy.deepcopy(reference)
+    sdpa.set_attn_implementation("sdpa")
+    batch = padded_batch(100, [300, 211, 1])
+    batch["attention_mask"][2] = 0
+    real = batch["attention_mask"].bool()
+    if layout == "packed":
+        batch = padded_batch(100, [300, 211, 17])
+        real = batch["attention_mask"].bool()
+        lengths = batch["attention_mask"].sum(-1)
+        packed = {
+            "input_ids": batch["input_ids"][real][None],
+            "cu_seqlens": torch.cat([torch.zeros(1), lengths.cumsum(0)]).long(),
+        }
+    calls = []
+    attend = cpu_inference.attend
+    monkeypatch.setattr(cpu_inference, "attend", lambda *args: calls.append(1) or attend(*args))
+    with torch.no_grad():
+        expected = reference(**batch).last_hidden_state
+        inputs_ = packed if layout == "packed" else batch
+
+        def ours():
+            output = sdpa(**inputs_).last_hidden_state
+            return output[0] if layout == "packed" else output[real]
+
+        actual = ours()
+        assert calls
+        monkeypatch.setattr(cpu_inference, "FUSED_FLOAT32", False)
+        unfused = ours()
+    tolerance = 1e-5 * max(1.0, expected.abs().max().item())
+    assert max_abs_diff(actual, expected[real]) <= tolerance
+    assert max_abs_diff(actual, unfused) <= tolerance
+    if layout == "padded":  # the sequence of padding only: eager's uniform attention
+        assert max_abs_diff(sdpa(**batch).last_hidden_state[2], expected[2]) <= tolerance
+
+
+CASES = ["float16", "float32-long", "head-size-32", "mask-of-pairs", "no-amx", "workspace", "p2p"]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_where_the_fused_kernel_does_not_run_the_others_do(monkeypatch, case):
-    """float32, heads of another size, a [B, L, L] mask of query-key pairs, a processor without AMX, a workspace
-    beyond FUSED_WORKSPACE_BYTES and the p2p term take the other paths; the output still matches eager."""
+    """float16, float32 from KERNEL_SPLIT_LENGTH tokens on, heads of another size, a [B, L, L] mask of query-key
+    pairs, bfloat16 on a processor without AMX, a workspace beyond FUSED_WORKSPACE_BYTES and the p2p term take the
+    other paths; the output still matches eager."""
     overrides = {"head-size-32": dict(hidden_size=64), "p2p": dict(pos_att_type="c2p|p2c|p2p")}.get(case, {})
     reference = model(**overrides)
-    dtype = torch.float32 if case == "float32" else torch.bfloat16
+    dtype = {"float16": torch.float16, "float32-long": torch.float32}.get(case, torch.bfloat16)
     eager, sdpa = copy.deepcopy(reference).to(dtype), copy.deepcopy(reference).to(dtype)
     sdpa.set_attn_implementation("sdpa")
+    if case == "float32-long":  # 150 tokens count as long here
+        monkeypatch.setattr(cpu_inference, "KERNEL_SPLIT_LENGTH", 100)
     if case == "no-amx":
-        monkeypatch.setattr(cpu_inference, "attend_available", lambda: False)
+        monkeypatch.setattr(cpu_inference, "attend_available", lambda dtype: dtype != torch.bfloat16)
     if case == "workspace":
         monkeypatch.setattr(cpu_inference, "FUSED_WORKSPACE_BYTES", 1024)
     calls = []
