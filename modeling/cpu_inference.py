@@ -10,7 +10,9 @@ bias, merged with the band's by log-sum-exp (`_attend_by_distance` gives the det
 Where the compiled kernel runs (`native.py`: float32 or bfloat16, an AVX-512 processor and a C compiler), it makes
 each block's bias instead, from T and U by bucket (one product per block and one per group of sequences), in one
 pass that PyTorch's operators would take three for (a gather or transposing copy, a copy, an add); the far keys are
-then split off from KERNEL_SPLIT_LENGTH tokens on only.
+then split off from KERNEL_SPLIT_LENGTH tokens on only. With 64 dimensions per head and no mask or a key mask, the
+compiled kernel runs the whole attention instead (`_attend_fused`: bfloat16 on AMX, float32 below
+KERNEL_SPLIT_LENGTH tokens), the bias made inside its tiles and never written.
 """
 
 from __future__ import annotations

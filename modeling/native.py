@@ -1,11 +1,10 @@
-"""The CPU kernels of `position_bias.c`, compiled on first use: a block's position bias in one pass, and bfloat16
-attention on AMX with the position terms made inside its tiles.
+"""The CPU kernels of `position_bias.c`, compiled on first use: a block's position bias in one pass, and attention
+with the position terms made inside its tiles (bfloat16 on AMX, float32 with AVX-512).
 
 `position_bias(...)` writes a block's bias c2p[i, δ(i - j)] + p2c[j, δ(i - j)] from the two tables in one pass,
 where PyTorch's operators need a gather or a transposing copy, and an add (`cpu_inference._KernelTables`).
-`attend(...)` is the whole attention in bfloat16 on a processor with AMX (`attend_available()`): T and U made on the
-AMX tiles in cache, the bias added tile by tile, flash attention's online softmax; no bias is written
-(`cpu_inference._attend_fused`).
+`attend(...)` is the whole attention (`attend_available(dtype)`): T and U made in cache (on the AMX tiles in bfloat16),
+the bias added tile by tile, flash attention's online softmax; no bias is written (`cpu_inference._attend_fused`).
 
 The C source ships with the package (not with the Hub bundle, which runs on PyTorch alone). On first use it is
 compiled with the system's C compiler (`cc -O3 -march=native -fopenmp -shared`, about a second) into a cache folder

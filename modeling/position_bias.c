@@ -380,6 +380,30 @@ static inline void add_position_terms(const Terms *s, float *tile, int64_t b0, i
         }
 }
 
+/* The columns [first, last) of a table, in whole tiles of 16, that a block reads: `columns` by m ascending (the
+   column never decreases with m), m from m_low to m_high clamped to the 2L - 1 distances. At short inputs a block
+   reads fewer columns than the table has (16 rows against 128 keys: 143 of 255), and only those are made. */
+static inline void columns_read(const int32_t *columns, int64_t m_low, int64_t m_high, int64_t length, int64_t width,
+                                int64_t *first, int64_t *last) {
+    m_low = m_low < 0 ? 0 : m_low;
+    m_high = m_high > 2 * length - 2 ? 2 * length - 2 : m_high;
+    *first = columns[m_low] / 16 * 16;
+    *last = (columns[m_high] + 16) / 16 * 16 < width ? (columns[m_high] + 16) / 16 * 16 : width;
+}
+
+/* T's columns that rows a0 .. a0 + 15 read (c2p_column at m = L - 1 - i + j), and U's that keys b0 .. b0 + 15 read
+   (column at m = i - j + L - 1), over every row and the keys [first_key, first_key + keys). */
+static inline void t_columns(const AttendArgs *x, int64_t a0, int64_t *first, int64_t *last) {
+    const int64_t L = x->length;
+    columns_read(x->c2p_column, L - 1 - (a0 + 15) + x->first_key, L - 1 - a0 + x->first_key + x->keys - 1, L,
+                 x->width, first, last);
+}
+
+static inline void u_columns(const AttendArgs *x, int64_t b0, int64_t *first, int64_t *last) {
+    const int64_t L = x->length, j = x->first_key + b0;
+    columns_read(x->column, L - 1 - (j + 15), 2 * L - 2 - j, L, x->width, first, last);
+}
+
 /* The online softmax over one block of 16 x KEY_BLOCK scores: weights = e^(score - running maximum), in bfloat16 or
    float32; the running maximum and sum of each row; and the factor that rescales the row's context so far. */
 static inline __attribute__((always_inline)) void online_softmax(const float *scores, float *maximum, float *total,
@@ -424,11 +448,11 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-/* out[16, W] = the 16 rows in tiles 4 and 5 against the relative rows packed as key tiles (W / 16 of them). */
-static void table_rows(const uint32_t *packed, int64_t width, float *out) {
-    for (int64_t c0 = 0; c0 < width; c0 += 64) {
+/* out[16, W] at columns [first, last) = the 16 rows in tiles 4 and 5 against the relative rows packed as key tiles. */
+static void table_rows(const uint32_t *packed, int64_t width, float *out, int64_t first, int64_t last) {
+    for (int64_t c0 = first; c0 < last; c0 += 64) {
 #define COLUMNS(n)                                                  \
-    if (c0 + 16 * (n) < width) {                                    \
+    if (c0 + 16 * (n) < last) {                                     \
         _tile_zero(n);                                              \
         _tile_loadd(6, packed + ((c0 / 16 + (n)) * 2) * 256, 64);   \
         _tile_dpbf16ps(n, 4, 6);                                    \
@@ -471,7 +495,9 @@ static void pack_plane(const AttendArgs *x, int64_t sequence, int64_t head, char
             copy_rows(k + j0 * x->key_row, x->key_row, keys - j0, rows);
             _tile_loadd(4, rows, DIM * 2);
             _tile_loadd(5, rows + 32, DIM * 2);
-            table_rows(x->pos_query + head * (width / 16) * 2 * 256, width, u + j0 * width);
+            int64_t first, last;
+            u_columns(x, j0, &first, &last);
+            table_rows(x->pos_query + head * (width / 16) * 2 * 256, width, u + j0 * width, first, last);
         }
     }
     /* lanes 2n and 2n + 1 of a value tile row: element n (of the tile's 16 dimensions) of keys 2r and 2r + 1 */
@@ -503,7 +529,11 @@ static void attend_rows(const AttendArgs *x, int64_t sequence, int64_t head, int
               query);
     _tile_loadd(4, query, DIM * 2);
     _tile_loadd(5, query + 32, DIM * 2);
-    if (x->pos_key) table_rows(x->pos_key + head * (width / 16) * 2 * 256, width, (float *)s->t); /* T of the rows */
+    if (x->pos_key) { /* T of the rows */
+        int64_t first, last;
+        t_columns(x, a0, &first, &last);
+        table_rows(x->pos_key + head * (width / 16) * 2 * 256, width, (float *)s->t, first, last);
+    }
     s->first_row = a0;
     for (int r = 0; r < QUERY_ROWS; r++) {
         maximum[r] = -INFINITY;
@@ -594,9 +624,9 @@ static void copy_rows_f32(const float *rows, int64_t stride, int64_t count, floa
             _mm512_storeu_ps(into + r * DIM + c, r < count ? _mm512_loadu_ps(rows + r * stride + c) : _mm512_setzero_ps());
 }
 
-/* out[16][width] = a (16 x 64) against rows packed [width / 16][64][16] */
-static void table_rows_f32(const float *a, const float *packed, int64_t width, float *out) {
-    for (int64_t c0 = 0; c0 < width; c0 += 16) {
+/* out[16][width] at columns [first, last) = a (16 x 64) against rows packed [width / 16][64][16] */
+static void table_rows_f32(const float *a, const float *packed, int64_t width, float *out, int64_t first, int64_t last) {
+    for (int64_t c0 = first; c0 < last; c0 += 16) {
         __m512 acc[16];
         product16(a, packed + c0 * DIM, acc);
         for (int r = 0; r < 16; r++) _mm512_storeu_ps(out + r * width + c0, acc[r]);
@@ -617,8 +647,11 @@ static void pack_plane_f32(const AttendArgs *x, int64_t sequence, int64_t head, 
             transpose16(m);
             for (int r = 0; r < 16; r++) _mm512_storeu_ps(key_tiles + (j0 / 16) * DIM * 16 + (16 * q + r) * 16, m[r]);
         }
-        if (x->pos_query && j0 < keys)
-            table_rows_f32(rows, (const float *)x->pos_query + head * width * DIM, width, u + j0 * width);
+        if (x->pos_query && j0 < keys) { /* U of these 16 keys */
+            int64_t first, last;
+            u_columns(x, j0, &first, &last);
+            table_rows_f32(rows, (const float *)x->pos_query + head * width * DIM, width, u + j0 * width, first, last);
+        }
     }
     if (x->pos_query) fill_edges(s, u + padded * width + 16, keys / 16 * 16, 0);
 }
@@ -634,7 +667,11 @@ static void attend_rows_f32(const AttendArgs *x, int64_t sequence, int64_t head,
     float maximum[QUERY_ROWS], total[QUERY_ROWS];
     copy_rows_f32((const float *)x->query + sequence * x->query_sequence + head * x->query_head + a0 * x->query_row,
                   x->query_row, rows, query);
-    if (x->pos_key) table_rows_f32(query, (const float *)x->pos_key + head * width * DIM, width, (float *)s->t);
+    if (x->pos_key) {
+        int64_t first, last;
+        t_columns(x, a0, &first, &last);
+        table_rows_f32(query, (const float *)x->pos_key + head * width * DIM, width, (float *)s->t, first, last);
+    }
     s->first_row = a0;
     for (int r = 0; r < QUERY_ROWS; r++) maximum[r] = -INFINITY, total[r] = 0.0f;
     memset(context, 0, sizeof(context));
