@@ -15,7 +15,9 @@ ratios to BERT. Every variant's output is checked equal to the model's (a `--bas
 - `fresh-buffers`: every call allocates its buffers (KEEP_WORKSPACE=False), as before they were kept;
 - `no-kernel`: the pure-PyTorch path where the compiled bias kernel runs (USE_KERNEL=False; the variants below
   tune that path, so they turn the kernel off too);
-- `kernel-split-always`: with the kernel, the far keys split off at every length (KERNEL_SPLIT_LENGTH=0);
+- `no-fused`: the bias kernel and SDPA where the fused attention runs in float32 (FUSED_FLOAT32=False);
+- `kernel-split-always`: with the kernel, the far keys split off at every length (KERNEL_SPLIT_LENGTH=0, which also
+  keeps float32 off the fused attention);
 - `whole-row-add`: the add of the c2p and p2c views over whole block rows (ADD_CHUNK_KEYS above any length);
 - `band-32-keys`, `band-128-keys`: U's bands of 32 or 128 keys (BAND_TABLE_KEYS), not 64;
 - `unpadded-products`: T and U products of their exact widths (PRODUCT_COLUMNS_MULTIPLE=1), not multiples of 16;
@@ -56,6 +58,7 @@ VARIANTS = {
     "as-is": {},
     "fresh-buffers": {"KEEP_WORKSPACE": False},
     "no-kernel": PYTORCH,
+    "no-fused": {"FUSED_FLOAT32": False},
     "kernel-split-always": {"KERNEL_SPLIT_LENGTH": 0},
     "whole-row-add": {**PYTORCH, "ADD_CHUNK_KEYS": 1 << 30},
     "band-32-keys": {**PYTORCH, "BAND_TABLE_KEYS": 32},
@@ -70,6 +73,7 @@ HOMES = {
     "PRODUCT_COLUMNS_MULTIPLE": by_distance,
     "USE_KERNEL": by_distance,
     "KERNEL_SPLIT_LENGTH": by_distance,
+    "FUSED_FLOAT32": by_distance,
     "_attend_by_distance": sdpa_attention,
 }
 
@@ -333,10 +337,10 @@ def main(argv: list[str] | None = None) -> None:
                 call(variant, inputs)
                 with torch.inference_mode():
                     outputs[variant] = ours(**inputs).last_hidden_state
-                # the variants of one path only regroup the same sums: equal; the other path, the far keys' merge
-                # and an earlier commit sum in another order
-                other_sums = variant.startswith("at-") or "USE_KERNEL" in variants[variant]
-                other_sums = other_sums or "KERNEL_SPLIT_LENGTH" in variants[variant]
+                # the variants of one path only regroup the same sums: equal; the other paths (the pure-PyTorch one,
+                # the fused attention's), the far keys' merge and an earlier commit sum in another order
+                other_paths = ("USE_KERNEL", "KERNEL_SPLIT_LENGTH", "FUSED_FLOAT32")
+                other_sums = variant.startswith("at-") or any(name in variants[variant] for name in other_paths)
                 tolerance = 1e-5 if other_sums else 0.0
                 if not torch.allclose(outputs[variant], outputs["as-is"], rtol=tolerance, atol=tolerance):
                     raise SystemExit(f"{variant} changes the outputs at {case}")

@@ -38,6 +38,13 @@ def padded_batch(vocab_size: int, lengths: list[int], seed: int = 0, pad_id: int
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
+def packed_inputs(batch: dict) -> dict:
+    """The padded batch's sequences packed side by side: [1, T] tokens with their cu_seqlens bounds."""
+    lengths = batch["attention_mask"].sum(-1)
+    tokens = batch["input_ids"][batch["attention_mask"].bool()][None]  # [1, T]
+    return {"input_ids": tokens, "cu_seqlens": torch.cat([torch.zeros(1), lengths.cumsum(0)]).long()}
+
+
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> float:
     """Largest |a - b|, over the positions where `mask` ([B, L]) is set when given."""
     diff = (a - b).abs()

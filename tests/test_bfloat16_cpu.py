@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from parity import inflate_weights, max_abs_diff, padded_batch
+from parity import inflate_weights, max_abs_diff, packed_inputs, padded_batch
 
 import disentangled
 from disentangled.modeling import cpu_inference, native
@@ -84,12 +84,6 @@ def build(**overrides) -> disentangled.DisentangledModel:
     inflate_weights(model)
     model.set_attn_implementation("eager")  # the reference (a model built from a config runs sdpa)
     return model.eval()
-
-
-def packed_inputs(batch: dict) -> dict:
-    lengths = batch["attention_mask"].sum(-1)
-    tokens = batch["input_ids"][batch["attention_mask"].bool()][None]  # [1, T]
-    return {"input_ids": tokens, "cu_seqlens": torch.cat([torch.zeros(1), lengths.cumsum(0)]).long()}
 
 
 @pytest.mark.parametrize("path", ["kernel", "pytorch"])

@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from parity import inflate_weights, max_abs_diff, padded_batch
+from parity import inflate_weights, max_abs_diff, packed_inputs, padded_batch
 
 import disentangled
 from disentangled.modeling import cpu_inference, native
@@ -221,11 +221,7 @@ def test_packed_sequences_in_bfloat16_within_twice_eagers_error(monkeypatch, var
     low_sdpa.set_attn_implementation("sdpa")
     batch = padded_batch(100, [300, 211, 17])
     real = batch["attention_mask"].bool()
-    lengths = batch["attention_mask"].sum(-1)
-    packed = {
-        "input_ids": batch["input_ids"][real][None],
-        "cu_seqlens": torch.cat([torch.zeros(1), lengths.cumsum(0)]).long(),
-    }
+    packed = packed_inputs(batch)
     calls = []
     attend = cpu_inference.attend
     monkeypatch.setattr(cpu_inference, "attend", lambda *args: calls.append(1) or attend(*args))
@@ -282,11 +278,7 @@ def test_model_in_float32_matches_eager(monkeypatch, variant, layout):
     if layout == "packed":
         batch = padded_batch(100, [300, 211, 17])
         real = batch["attention_mask"].bool()
-        lengths = batch["attention_mask"].sum(-1)
-        packed = {
-            "input_ids": batch["input_ids"][real][None],
-            "cu_seqlens": torch.cat([torch.zeros(1), lengths.cumsum(0)]).long(),
-        }
+        packed = packed_inputs(batch)
     calls = []
     attend = cpu_inference.attend
     monkeypatch.setattr(cpu_inference, "attend", lambda *args: calls.append(1) or attend(*args))
