@@ -16,8 +16,8 @@ ratios to BERT. Every variant's output is checked equal to the model's (a `--bas
 - `no-kernel`: the pure-PyTorch path where the compiled bias kernel runs (USE_KERNEL=False; the variants below
   tune that path, so they turn the kernel off too);
 - `no-fused`: the bias kernel and SDPA where the fused attention runs in float32 (FUSED_FLOAT32=False);
-- `kernel-split-always`: with the kernel, the far keys split off at every length (KERNEL_SPLIT_LENGTH=0, which also
-  keeps float32 off the fused attention);
+- `kernel-split-always`: the bias kernel and SDPA (USE_FUSED=False), the far keys split off at every length
+  (KERNEL_SPLIT_LENGTH=0);
 - `whole-row-add`: the add of the c2p and p2c views over whole block rows (ADD_CHUNK_KEYS above any length);
 - `band-32-keys`, `band-128-keys`: U's bands of 32 or 128 keys (BAND_TABLE_KEYS), not 64;
 - `unpadded-products`: T and U products of their exact widths (PRODUCT_COLUMNS_MULTIPLE=1), not multiples of 16;
@@ -59,7 +59,7 @@ VARIANTS = {
     "fresh-buffers": {"KEEP_WORKSPACE": False},
     "no-kernel": PYTORCH,
     "no-fused": {"FUSED_FLOAT32": False},
-    "kernel-split-always": {"KERNEL_SPLIT_LENGTH": 0},
+    "kernel-split-always": {"USE_FUSED": False, "KERNEL_SPLIT_LENGTH": 0},
     "whole-row-add": {**PYTORCH, "ADD_CHUNK_KEYS": 1 << 30},
     "band-32-keys": {**PYTORCH, "BAND_TABLE_KEYS": 32},
     "band-128-keys": {**PYTORCH, "BAND_TABLE_KEYS": 128},
@@ -74,6 +74,7 @@ HOMES = {
     "USE_KERNEL": by_distance,
     "KERNEL_SPLIT_LENGTH": by_distance,
     "FUSED_FLOAT32": by_distance,
+    "USE_FUSED": by_distance,
     "_attend_by_distance": sdpa_attention,
 }
 
@@ -200,15 +201,15 @@ def far_call_timings(lengths: list[int], repeats: int) -> None:
 def bias_cost_timings(cases: list[str], dtype: torch.dtype, repeats: int) -> None:
     """What a dense bias costs one layer of v3-base (12 heads of 64), per BATCHxLENGTH case, alone: one SDPA call
     over every row without a bias, with a key bias ([B, 1, 1, L]) and with a dense one ([B, H, L, L]); the compiled
-    kernel making that dense bias from T and U by bucket (`native.position_bias`); and, in bfloat16 on AMX, the fused
-    attention that makes T, U and the bias inside its tiles (`native.attend`: the whole attention with both terms, to
-    set beside SDPA without a bias). Median milliseconds."""
+    kernel making that dense bias from T and U by bucket (`native.position_bias`); and the fused attention that makes
+    T, U and the bias inside its tiles (`native.attend`, bfloat16 on AMX or float32 on AVX-512: the whole attention
+    with both terms, to set beside SDPA without a bias). Median milliseconds."""
     from disentangled.modeling import native
 
     heads = V3_BASE["num_attention_heads"]
     dim = V3_BASE["hidden_size"] // heads
     kernel = native.available()
-    fused = dtype == torch.bfloat16 and native.attend_available()
+    fused = native.attend_available(dtype)
     print(
         "\n| case | SDPA, no bias | key bias | dense bias | the kernel making it | fused attention, both terms |"
         "\n|---|---|---|---|---|---|"

@@ -11,8 +11,8 @@ Where the compiled kernel runs (`native.py`: float32 or bfloat16, an AVX-512 pro
 each block's bias instead, from T and U by bucket (one product per block and one per group of sequences), in one
 pass that PyTorch's operators would take three for (a gather or transposing copy, a copy, an add); the far keys are
 then split off from KERNEL_SPLIT_LENGTH tokens on only. With 64 dimensions per head and no mask or a key mask, the
-compiled kernel runs the whole attention instead (`_attend_fused`: bfloat16 on AMX, float32 below
-KERNEL_SPLIT_LENGTH tokens), the bias made inside its tiles and never written.
+compiled kernel runs the whole attention instead (`_attend_fused`: bfloat16 on AMX, float32 on AVX-512), the
+bias made inside its tiles and never written.
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ KERNEL_SPLIT_LENGTH = 4096
 KERNEL_BFLOAT16_BLOCK_ELEMENTS = 1 << 22
 USE_KERNEL = True  # False: the pure-PyTorch path everywhere (its tests, A/B timing)
 USE_FUSED = True  # False: no fused attention (`_attend_fused`) where it could run (its tests, A/B timing)
-# float32 runs the fused attention too (AVX-512 products), below KERNEL_SPLIT_LENGTH tokens: from there the bias
-# kernel with the far keys split off timed as fast (1.39 against 1.42 times BERT at 1x4096, one process, 2 threads).
+# float32 runs the fused attention too (AVX-512 products), at every length: with the values packed per plane it
+# timed 1.18 / 1.33 times BERT at 1x4096 / 1x8192 against the bias kernel's 1.38 / 1.61 (far keys split off), one
+# process, 2 threads, 1 layer (before the packing, 1.42 against 1.39 at 1x4096)
 FUSED_FLOAT32 = True  # False: float32 takes the bias kernel and SDPA at every length (A/B timing)
 # The fused kernel's workspace, all threads together, at most this (U of one plane per thread, in float32: 150 MiB
 # for 32,768 tokens on 2 threads); beyond it, the bias by blocks.
@@ -252,13 +253,12 @@ def _uniform_where_padding(context: Tensor, value: Tensor, mask: Tensor | None) 
 
 
 def _fused_runs(query: Tensor, mask: Tensor | None, positions: RelativePositions) -> bool:
-    """Whether `_attend_fused` takes this call: bfloat16 (with AMX) or float32 (with AVX-512, FUSED_FLOAT32, below
-    KERNEL_SPLIT_LENGTH tokens), 64
+    """Whether `_attend_fused` takes this call: bfloat16 (with AMX) or float32 (with AVX-512, FUSED_FLOAT32), 64
     dimensions per head, no mask or a key mask, the kernel built (`native.attend_available`), and its workspace
     within FUSED_WORKSPACE_BYTES."""
     if not USE_FUSED or query.dtype not in (torch.bfloat16, torch.float32) or query.shape[-1] != 64:
         return False
-    if query.dtype == torch.float32 and not (FUSED_FLOAT32 and query.shape[-2] < KERNEL_SPLIT_LENGTH):
+    if query.dtype == torch.float32 and not FUSED_FLOAT32:
         return False
     if mask is not None and mask.shape[-2] != 1:
         return False

@@ -316,12 +316,15 @@ typedef struct {
 
 static int64_t padded_keys(int64_t keys) { return (keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK; }
 
-/* One thread's workspace: the plane's packed keys and values (bfloat16) or keys (float32), padded x 64 x 4 bytes
-   either way, U ([padded keys, W] float32) and its edge columns, and a block's T ([16, W] float32), each table
-   with 16 spare elements (the tile loads read 16 columns). */
+/* Bytes of a thread's packed keys and values: padded keys x 64 dimensions x 2 (keys, values) x 4 (float32; bfloat16
+   uses half of them). */
+static int64_t packed_bytes(int64_t padded) { return padded * DIM * 2 * 4; }
+
+/* One thread's workspace: the plane's packed keys and values, U ([padded keys, W] float32) and its edge columns,
+   and a block's T ([16, W] float32), each table with 16 spare elements (the tile loads read 16 columns). */
 int64_t workspace_bytes(int64_t keys, int64_t width) {
     const int64_t padded = padded_keys(keys);
-    return padded * DIM * 2 * 2 + (padded * width + 16) * 4 + padded * 2 * 4 + (QUERY_ROWS * width + 16) * 4 + 64;
+    return packed_bytes(padded) + (padded * width + 16) * 4 + padded * 2 * 4 + (QUERY_ROWS * width + 16) * 4 + 64;
 }
 
 #ifdef HAVE_AVX512
@@ -479,7 +482,7 @@ static void pack_plane(const AttendArgs *x, int64_t sequence, int64_t head, char
     const int64_t keys = x->keys, padded = padded_keys(keys), width = x->width;
     uint32_t *key_tiles = (uint32_t *)workspace;          /* [padded / 16][2][16][16] */
     uint32_t *value_tiles = key_tiles + padded * DIM / 2; /* [padded / 32][4][16][16] */
-    float *u = (float *)(value_tiles + padded * DIM / 2);
+    float *u = (float *)(workspace + packed_bytes(padded));
     const uint16_t *k = x->key + sequence * x->key_sequence + head * x->key_head + x->first_key * x->key_row;
     const uint16_t *v = x->value + sequence * x->value_sequence + head * x->value_head + x->first_key * x->value_row;
     __attribute__((aligned(64))) uint16_t rows[QUERY_ROWS * DIM];
@@ -606,7 +609,7 @@ static void attend_rows(const AttendArgs *x, int64_t sequence, int64_t head, int
 
    The same order and the same tile code; q k^T, p v, T and U are products of 16 rows against 16 columns in 16
    registers (one broadcast and one fused multiply-add per row and dimension), the keys packed as 16-key columns
-   ([keys / 16][64][16]), the values read as they are. */
+   ([keys / 16][64][16]), the values copied into rows of 64. */
 
 #ifdef HAVE_AVX512
 /* acc[r] = a[r] . b[:, c] for 16 rows of a (64 floats each) and the 16 columns of b ([64][16]) */
@@ -636,10 +639,15 @@ static void table_rows_f32(const float *a, const float *packed, int64_t width, f
 static void pack_plane_f32(const AttendArgs *x, int64_t sequence, int64_t head, char *workspace, Terms *s) {
     const int64_t keys = x->keys, padded = padded_keys(keys), width = x->width;
     float *key_tiles = (float *)workspace; /* [padded / 16][64][16] */
-    float *u = key_tiles + padded * DIM;
+    float *value_rows = key_tiles + padded * DIM; /* [padded][64] */
+    float *u = (float *)(workspace + packed_bytes(padded));
     const float *k = (const float *)x->key + sequence * x->key_sequence + head * x->key_head + x->first_key * x->key_row;
+    const float *v = (const float *)x->value + sequence * x->value_sequence + head * x->value_head + x->first_key * x->value_row;
     __attribute__((aligned(64))) float rows[16 * DIM];
     for (int64_t j0 = 0; j0 < padded; j0 += 16) {
+        /* the values in rows of 64 (read where they are, a key's row of one head lies a row of every head apart in
+           the model's [B, L, H, 64] layout, so that p v would stride over pages) */
+        copy_rows_f32(v + j0 * x->value_row, x->value_row, keys - j0, value_rows + j0 * DIM);
         copy_rows_f32(k + j0 * x->key_row, x->key_row, keys - j0, rows);
         for (int q = 0; q < 4; q++) { /* dimensions 16q .. 16q + 15 */
             __m512 m[16];
@@ -658,8 +666,7 @@ static void pack_plane_f32(const AttendArgs *x, int64_t sequence, int64_t head, 
 
 static void attend_rows_f32(const AttendArgs *x, int64_t sequence, int64_t head, int64_t a0, char *workspace, Terms *s) {
     const int64_t length = x->length, keys = x->keys, width = x->width;
-    const float *key_tiles = (const float *)workspace;
-    const float *v = (const float *)x->value + sequence * x->value_sequence + head * x->value_head + x->first_key * x->value_row;
+    const float *key_tiles = (const float *)workspace, *v = key_tiles + padded_keys(keys) * DIM;
     const uint8_t *keep = x->keep ? x->keep + sequence * x->keep_sequence : NULL;
     const int64_t rows = length - a0 < QUERY_ROWS ? length - a0 : QUERY_ROWS;
     __attribute__((aligned(64))) float query[QUERY_ROWS * DIM], weights[QUERY_ROWS * KEY_BLOCK];
@@ -691,7 +698,7 @@ static void attend_rows_f32(const AttendArgs *x, int64_t sequence, int64_t head,
             __m512 acc[16];
             for (int r = 0; r < 16; r++) acc[r] = _mm512_mul_ps(_mm512_loadu_ps(context + r * DIM + t), _mm512_set1_ps(rescale[r]));
             for (int64_t k = 0; k < count; k++) {
-                const __m512 value = _mm512_loadu_ps(v + (k0 + k) * x->value_row + t);
+                const __m512 value = _mm512_loadu_ps(v + (k0 + k) * DIM + t);
                 for (int r = 0; r < 16; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(weights[r * KEY_BLOCK + k]), value, acc[r]);
             }
             for (int r = 0; r < 16; r++) _mm512_storeu_ps(context + r * DIM + t, acc[r]);
@@ -741,9 +748,9 @@ int attend(const AttendArgs *x, int64_t element_size, int64_t planes, int64_t ch
             _tile_loadconfig(&config);
         }
 #endif
-        /* the workspace: keys and values packed (padded x 64 x 4 bytes either way), U, its edges, a block's T */
+        /* the workspace: keys and values packed, U, its edges, a block's T */
         char *workspace = (char *)x->workspace + omp_get_thread_num() * bytes;
-        float *t = (float *)(workspace + padded * DIM * 4 + (padded * x->width + 16) * 4 + padded * 2 * 4);
+        float *t = (float *)(workspace + packed_bytes(padded) + (padded * x->width + 16) * 4 + padded * 2 * 4);
         int64_t packed = -1; /* the plane in the workspace */
         Terms s;
 #pragma omp for schedule(static)
@@ -752,7 +759,7 @@ int attend(const AttendArgs *x, int64_t element_size, int64_t planes, int64_t ch
             if (plane != packed) {
                 s = (Terms){
                     .t = x->pos_key ? (const char *)t : NULL,
-                    .u = x->pos_query ? workspace + padded * DIM * 4 : NULL,
+                    .u = x->pos_query ? workspace + packed_bytes(padded) : NULL,
                     .t_row = x->width,
                     .u_row = x->width,
                     .forward = x->column,

@@ -10,6 +10,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from benchmarks import machine, run
 from benchmarks.records import read_records
@@ -243,6 +244,8 @@ def test_cpu_inference_variants_run_and_restore_the_module_constants(capsys):
         "PRODUCT_COLUMNS_MULTIPLE",
         "USE_KERNEL",
         "KERNEL_SPLIT_LENGTH",
+        "USE_FUSED",
+        "FUSED_FLOAT32",
         "_attend_by_distance",
     )
     before = {name: getattr(cpu_inference.HOMES[name], name) for name in names}
@@ -257,14 +260,14 @@ def test_cpu_inference_variants_run_and_restore_the_module_constants(capsys):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cpu_inference_bias_cost_prints_sdpa_with_each_bias_and_the_kernel(capsys, dtype):
     """--bias-cost times SDPA without a bias, with a key bias and with a dense one, the kernel where it runs, and the
-    fused attention in bfloat16 where AMX is."""
+    fused attention where it runs in that dtype (bfloat16 on AMX, float32 with the kernel)."""
     from benchmarks import cpu_inference
     from disentangled.modeling import native
 
     cpu_inference.main(["--bias-cost", "--cases", "1x96", "2x64", "--repeats", "1", "--dtype", dtype])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1x96 |", "| 2x64 |"))]
     assert len(rows) == 2
-    fused = dtype == "bfloat16" and native.attend_available()
+    fused = native.attend_available(getattr(torch, dtype))
     assert all(row.count(" ms |") == 3 + native.available() + fused for row in rows)
 
 

@@ -301,21 +301,21 @@ def test_model_in_float32_matches_eager(monkeypatch, variant, layout):
         assert max_abs_diff(sdpa(**batch).last_hidden_state[2], expected[2]) <= tolerance
 
 
-CASES = ["float16", "float32-long", "head-size-32", "mask-of-pairs", "no-amx", "workspace", "p2p"]
+CASES = ["float16", "float32-turned-off", "head-size-32", "mask-of-pairs", "no-amx", "workspace", "p2p"]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_where_the_fused_kernel_does_not_run_the_others_do(monkeypatch, case):
-    """float16, float32 from KERNEL_SPLIT_LENGTH tokens on, heads of another size, a [B, L, L] mask of query-key
+    """float16, float32 with FUSED_FLOAT32 off, heads of another size, a [B, L, L] mask of query-key
     pairs, bfloat16 on a processor without AMX, a workspace beyond FUSED_WORKSPACE_BYTES and the p2p term take the
     other paths; the output still matches eager."""
     overrides = {"head-size-32": dict(hidden_size=64), "p2p": dict(pos_att_type="c2p|p2c|p2p")}.get(case, {})
     reference = model(**overrides)
-    dtype = {"float16": torch.float16, "float32-long": torch.float32}.get(case, torch.bfloat16)
+    dtype = {"float16": torch.float16, "float32-turned-off": torch.float32}.get(case, torch.bfloat16)
     eager, sdpa = copy.deepcopy(reference).to(dtype), copy.deepcopy(reference).to(dtype)
     sdpa.set_attn_implementation("sdpa")
-    if case == "float32-long":  # 150 tokens count as long here
-        monkeypatch.setattr(cpu_inference, "KERNEL_SPLIT_LENGTH", 100)
+    if case == "float32-turned-off":
+        monkeypatch.setattr(cpu_inference, "FUSED_FLOAT32", False)
     if case == "no-amx":
         monkeypatch.setattr(cpu_inference, "attend_available", lambda dtype: dtype != torch.bfloat16)
     if case == "workspace":
