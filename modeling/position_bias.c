@@ -313,6 +313,7 @@ typedef struct {
 #define QUERY_ROWS 16
 #define KEY_BLOCK 128
 #define DIM 64
+#define ROW_GROUP 8 /* blocks of 16 rows per sweep over the keys, float32 (attend_rows_f32) */
 
 static int64_t padded_keys(int64_t keys) { return (keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK; }
 
@@ -321,10 +322,11 @@ static int64_t padded_keys(int64_t keys) { return (keys + KEY_BLOCK - 1) / KEY_B
 static int64_t packed_bytes(int64_t padded) { return padded * DIM * 2 * 4; }
 
 /* One thread's workspace: the plane's packed keys and values, U ([padded keys, W] float32) and its edge columns,
-   and a block's T ([16, W] float32), each table with 16 spare elements (the tile loads read 16 columns). */
+   and the T of a block of rows (bfloat16: [16, W]) or of a group of blocks (float32: [ROW_GROUP x 16, W]), in
+   float32, each table with 16 spare elements (the tile loads read 16 columns). */
 int64_t workspace_bytes(int64_t keys, int64_t width) {
     const int64_t padded = padded_keys(keys);
-    return packed_bytes(padded) + (padded * width + 16) * 4 + padded * 2 * 4 + (QUERY_ROWS * width + 16) * 4 + 64;
+    return packed_bytes(padded) + (padded * width + 16) * 4 + padded * 2 * 4 + (ROW_GROUP * QUERY_ROWS * width + 16) * 4 + 64;
 }
 
 #ifdef HAVE_AVX512
@@ -405,6 +407,24 @@ static inline void t_columns(const AttendArgs *x, int64_t a0, int64_t *first, in
 static inline void u_columns(const AttendArgs *x, int64_t b0, int64_t *first, int64_t *last) {
     const int64_t L = x->length, j = x->first_key + b0;
     columns_read(x->column, L - 1 - (j + 15), 2 * L - 2 - j, L, x->width, first, last);
+}
+
+/* Into L2, the lines of U (p2c, float32) that the next block of rows (from row `next`) reads for keys b_first ..
+   b_last - 1 inside the buckets' reach: each key's run of 16 columns is a line of its own row of U, read once per
+   block and 2 KiB or more from the next key's, so that without this every one was a miss to the last-level cache. */
+static inline void prefetch_u(const Terms *s, int64_t next, int64_t b_first, int64_t b_last) {
+    const int64_t L = s->length;
+    if (!s->u || next >= L) return;
+    const int32_t first_column = s->forward[0], last_column = s->forward[2 * L - 2];
+    for (int64_t b = b_first; b < b_last; b++) {
+        int64_t low = next - (s->first_key + b) + L - 1, high = low + 15;
+        high = high > 2 * L - 2 ? 2 * L - 2 : high;
+        const int32_t from = s->forward[low], to = s->forward[high];
+        if (from == to && (from == first_column || from == last_column)) continue; /* beyond the reach: the edges */
+        const float *row = (const float *)s->u + b * s->u_row;
+        _mm_prefetch((const char *)(row + from), _MM_HINT_T1);
+        _mm_prefetch((const char *)(row + to), _MM_HINT_T1);
+    }
 }
 
 /* The online softmax over one block of 16 x KEY_BLOCK scores: weights = e^(score - running maximum), in bfloat16 or
@@ -563,6 +583,7 @@ static void attend_rows(const AttendArgs *x, int64_t sequence, int64_t head, int
         /* + the position terms, and the keys left out at -inf; then the online softmax */
         for (int64_t b0 = k0; b0 < k0 + KEY_BLOCK; b0 += 16) add_position_terms(s, scores + (b0 - k0), b0, rows, keys, keep, x->scale);
         float rescale[QUERY_ROWS];
+        prefetch_u(s, a0 + QUERY_ROWS, k0, k0 + KEY_BLOCK < keys ? k0 + KEY_BLOCK : keys);
         online_softmax(scores, maximum, total, rescale, weights, 1);
         /* block = weights v: tile n holds dimensions 16n .. 16n + 15, over the block's keys 32 at a time */
         _tile_zero(0);
@@ -607,9 +628,10 @@ static void attend_rows(const AttendArgs *x, int64_t sequence, int64_t head, int
 
 /* ---- The same attention in float32, with AVX-512 products (no AMX) ----
 
-   The same order and the same tile code; q k^T, p v, T and U are products of 16 rows against 16 columns in 16
-   registers (one broadcast and one fused multiply-add per row and dimension), the keys packed as 16-key columns
-   ([keys / 16][64][16]), the values copied into rows of 64. */
+   The same tile code; q k^T, p v, T and U are products of 16 rows against 16 columns in 16 registers (one
+   broadcast and one fused multiply-add per row and dimension), the keys packed as 16-key columns
+   ([keys / 16][64][16]), the values copied into rows of 64; and ROW_GROUP blocks of 16 rows share each sweep over
+   the keys (a plane's keys and values, twice bfloat16's, outgrow the L2 cache from about 4,096 tokens). */
 
 #ifdef HAVE_AVX512
 /* acc[r] = a[r] . b[:, c] for 16 rows of a (64 floats each) and the 16 columns of b ([64][16]) */
@@ -664,51 +686,70 @@ static void pack_plane_f32(const AttendArgs *x, int64_t sequence, int64_t head, 
     if (x->pos_query) fill_edges(s, u + padded * width + 16, keys / 16 * 16, 0);
 }
 
-static void attend_rows_f32(const AttendArgs *x, int64_t sequence, int64_t head, int64_t a0, char *workspace, Terms *s) {
+/* Rows [a0, a0 + 16 count) of one plane (fewer at the end), count <= ROW_GROUP blocks of 16 in one sweep over the
+   keys and values packed in `workspace`, so that each block of 128 keys is read from memory once per group rather
+   than once per block (at 4,096 tokens a plane's keys and values are 2 MiB in float32, an L2 cache); `tables`
+   holds each block's T ([16, W], one after another). */
+static void attend_rows_f32(const AttendArgs *x, int64_t sequence, int64_t head, int64_t a0, int64_t count,
+                            char *workspace, Terms *s, float *tables) {
     const int64_t length = x->length, keys = x->keys, width = x->width;
     const float *key_tiles = (const float *)workspace, *v = key_tiles + padded_keys(keys) * DIM;
     const uint8_t *keep = x->keep ? x->keep + sequence * x->keep_sequence : NULL;
-    const int64_t rows = length - a0 < QUERY_ROWS ? length - a0 : QUERY_ROWS;
-    __attribute__((aligned(64))) float query[QUERY_ROWS * DIM], weights[QUERY_ROWS * KEY_BLOCK];
-    __attribute__((aligned(64))) float scores[QUERY_ROWS * KEY_BLOCK], context[QUERY_ROWS * DIM];
-    float maximum[QUERY_ROWS], total[QUERY_ROWS];
-    copy_rows_f32((const float *)x->query + sequence * x->query_sequence + head * x->query_head + a0 * x->query_row,
-                  x->query_row, rows, query);
-    if (x->pos_key) {
-        int64_t first, last;
-        t_columns(x, a0, &first, &last);
-        table_rows_f32(query, (const float *)x->pos_key + head * width * DIM, width, (float *)s->t, first, last);
+    __attribute__((aligned(64))) float query[ROW_GROUP][QUERY_ROWS * DIM], context[ROW_GROUP][QUERY_ROWS * DIM];
+    __attribute__((aligned(64))) float scores[QUERY_ROWS * KEY_BLOCK], weights[QUERY_ROWS * KEY_BLOCK];
+    float maximum[ROW_GROUP][QUERY_ROWS], total[ROW_GROUP][QUERY_ROWS];
+    int64_t rows[ROW_GROUP];
+    for (int64_t g = 0; g < count; g++) {
+        const int64_t first_row = a0 + g * QUERY_ROWS;
+        rows[g] = length - first_row < QUERY_ROWS ? length - first_row : QUERY_ROWS;
+        copy_rows_f32((const float *)x->query + sequence * x->query_sequence + head * x->query_head +
+                          first_row * x->query_row,
+                      x->query_row, rows[g], query[g]);
+        if (x->pos_key) {
+            int64_t first, last;
+            t_columns(x, first_row, &first, &last);
+            table_rows_f32(query[g], (const float *)x->pos_key + head * width * DIM, width, tables + g * QUERY_ROWS * width,
+                           first, last);
+        }
+        for (int r = 0; r < QUERY_ROWS; r++) maximum[g][r] = -INFINITY, total[g][r] = 0.0f;
+        memset(context[g], 0, sizeof(context[g]));
     }
-    s->first_row = a0;
-    for (int r = 0; r < QUERY_ROWS; r++) maximum[r] = -INFINITY, total[r] = 0.0f;
-    memset(context, 0, sizeof(context));
     for (int64_t k0 = 0; k0 < keys; k0 += KEY_BLOCK) {
-        /* scores = q k^T, 16 keys at a time, + the position terms; then the online softmax */
-        for (int64_t b0 = k0; b0 < k0 + KEY_BLOCK && b0 < keys; b0 += 16) {
-            __m512 acc[16];
-            product16(query, key_tiles + (b0 / 16) * DIM * 16, acc);
-            for (int r = 0; r < 16; r++) _mm512_storeu_ps(scores + (b0 - k0) + r * KEY_BLOCK, acc[r]);
-        }
-        for (int64_t b0 = k0; b0 < k0 + KEY_BLOCK; b0 += 16) add_position_terms(s, scores + (b0 - k0), b0, rows, keys, keep, x->scale);
-        float rescale[QUERY_ROWS];
-        online_softmax(scores, maximum, total, rescale, weights, 0);
-        /* context = context * rescale + weights v, 16 dimensions at a time */
-        const int64_t count = keys - k0 < KEY_BLOCK ? keys - k0 : KEY_BLOCK;
-        for (int t = 0; t < DIM; t += 16) {
-            __m512 acc[16];
-            for (int r = 0; r < 16; r++) acc[r] = _mm512_mul_ps(_mm512_loadu_ps(context + r * DIM + t), _mm512_set1_ps(rescale[r]));
-            for (int64_t k = 0; k < count; k++) {
-                const __m512 value = _mm512_loadu_ps(v + (k0 + k) * DIM + t);
-                for (int r = 0; r < 16; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(weights[r * KEY_BLOCK + k]), value, acc[r]);
+        const int64_t count_keys = keys - k0 < KEY_BLOCK ? keys - k0 : KEY_BLOCK;
+        for (int64_t g = 0; g < count; g++) {
+            s->first_row = a0 + g * QUERY_ROWS;
+            if (x->pos_key) s->t = (const char *)(tables + g * QUERY_ROWS * width);
+            /* scores = q k^T, 16 keys at a time, + the position terms; then the online softmax */
+            for (int64_t b0 = k0; b0 < k0 + count_keys; b0 += 16) {
+                __m512 acc[16];
+                product16(query[g], key_tiles + (b0 / 16) * DIM * 16, acc);
+                for (int r = 0; r < 16; r++) _mm512_storeu_ps(scores + (b0 - k0) + r * KEY_BLOCK, acc[r]);
             }
-            for (int r = 0; r < 16; r++) _mm512_storeu_ps(context + r * DIM + t, acc[r]);
+            for (int64_t b0 = k0; b0 < k0 + KEY_BLOCK; b0 += 16)
+                add_position_terms(s, scores + (b0 - k0), b0, rows[g], keys, keep, x->scale);
+            float rescale[QUERY_ROWS];
+            online_softmax(scores, maximum[g], total[g], rescale, weights, 0);
+            /* context = context * rescale + weights v, 16 dimensions at a time */
+            for (int t = 0; t < DIM; t += 16) {
+                __m512 acc[16];
+                for (int r = 0; r < 16; r++)
+                    acc[r] = _mm512_mul_ps(_mm512_loadu_ps(context[g] + r * DIM + t), _mm512_set1_ps(rescale[r]));
+                for (int64_t k = 0; k < count_keys; k++) {
+                    const __m512 value = _mm512_loadu_ps(v + (k0 + k) * DIM + t);
+                    for (int r = 0; r < 16; r++)
+                        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(weights[r * KEY_BLOCK + k]), value, acc[r]);
+                }
+                for (int r = 0; r < 16; r++) _mm512_storeu_ps(context[g] + r * DIM + t, acc[r]);
+            }
         }
     }
-    float *o = (float *)x->out + sequence * x->out_sequence + head * x->out_head + a0 * x->out_row;
-    for (int64_t r = 0; r < rows; r++) {
-        const __m512 inverse = _mm512_set1_ps(total[r] > 0.0f ? 1.0f / total[r] : 0.0f);
-        for (int c = 0; c < DIM; c += 16)
-            _mm512_storeu_ps(o + r * x->out_row + c, _mm512_mul_ps(_mm512_loadu_ps(context + r * DIM + c), inverse));
+    for (int64_t g = 0; g < count; g++) {
+        float *o = (float *)x->out + sequence * x->out_sequence + head * x->out_head + (a0 + g * QUERY_ROWS) * x->out_row;
+        for (int64_t r = 0; r < rows[g]; r++) {
+            const __m512 inverse = _mm512_set1_ps(total[g][r] > 0.0f ? 1.0f / total[g][r] : 0.0f);
+            for (int c = 0; c < DIM; c += 16)
+                _mm512_storeu_ps(o + r * x->out_row + c, _mm512_mul_ps(_mm512_loadu_ps(context[g] + r * DIM + c), inverse));
+        }
     }
 }
 
@@ -748,7 +789,7 @@ int attend(const AttendArgs *x, int64_t element_size, int64_t planes, int64_t ch
             _tile_loadconfig(&config);
         }
 #endif
-        /* the workspace: keys and values packed, U, its edges, a block's T */
+        /* the workspace: keys and values packed, U, its edges, T */
         char *workspace = (char *)x->workspace + omp_get_thread_num() * bytes;
         float *t = (float *)(workspace + packed_bytes(padded) + (padded * x->width + 16) * 4 + padded * 2 * 4);
         int64_t packed = -1; /* the plane in the workspace */
@@ -775,13 +816,15 @@ int attend(const AttendArgs *x, int64_t element_size, int64_t planes, int64_t ch
                 packed = plane;
             }
             const int64_t first = (item % chunks) * per_chunk, last = first + per_chunk < blocks ? first + per_chunk : blocks;
-            for (int64_t block = first; block < last; block++) {
 #ifdef HAVE_AMX
-                if (bf16) attend_rows(x, sequence, head, block * QUERY_ROWS, workspace, &s);
-                else
-#endif
-                    attend_rows_f32(x, sequence, head, block * QUERY_ROWS, workspace, &s);
+            if (bf16) {
+                for (int64_t block = first; block < last; block++) attend_rows(x, sequence, head, block * QUERY_ROWS, workspace, &s);
+                continue;
             }
+#endif
+            for (int64_t block = first; block < last; block += ROW_GROUP)
+                attend_rows_f32(x, sequence, head, block * QUERY_ROWS, last - block < ROW_GROUP ? last - block : ROW_GROUP,
+                                workspace, &s, t);
         }
 #ifdef HAVE_AMX
         if (bf16) _tile_release();
