@@ -102,8 +102,14 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build() -> ctypes.CDLL | None:
-    """Compile (or find in the cache) and load the kernel; None, with the reason in `_state['why']`, if it cannot."""
+# -march=native: the processor's own extensions decide what is built (AVX-512 needed; AMX and AVX512-BF16 add the
+# bfloat16 attention); an implicit declaration is an error, so that a missing header fails the build, not the call.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Werror=implicit-function-declaration")
+
+
+def _build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
+    """Compile with `flags` (or find in the cache) and load the kernel; None, with the reason in `_state['why']`, if
+    it cannot."""
     if os.environ.get("DISENTANGLED_NATIVE", "1") == "0":
         _state["why"] = "turned off by DISENTANGLED_NATIVE=0"
         return None
@@ -118,7 +124,6 @@ def _build() -> ctypes.CDLL | None:
         _state["why"] = "no C compiler (cc, gcc or clang) on PATH"
         return None
     source = SOURCE.read_bytes()
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
     key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(), _cpu_flags().encode()]))
     cache = Path(os.environ.get("DISENTANGLED_CACHE", Path.home() / ".cache" / "disentangled"))
     library = cache / f"position_bias-{key.hexdigest()[:16]}.so"

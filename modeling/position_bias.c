@@ -23,17 +23,17 @@
    Below position_bias(), attend() runs the whole attention with that tile code inside it (the bias never written):
    on the AMX tiles in bfloat16, and with AVX-512 products in float32. */
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
+#include <omp.h>
 #define HAVE_AVX512 1
 #endif
 #if defined(HAVE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define HAVE_AMX 1
-#include <math.h>
-#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif

@@ -5,8 +5,8 @@ bfloat16 within twice the bfloat16 rounding of the formula's own result (plus on
 float32 within 1e-5, over v3's buckets with tiles beyond the reach, small log buckets, clipped distances, either
 term alone, ragged rows and keys, key masks over a span of keys, and more threads than planes. Then the model against
 eager (float32: 1e-5; bfloat16: within twice eager's own bfloat16 error against float32), the fallbacks where the
-fused kernel does not run, and PyTorch's own AMX operators before and after it (its tiles are released and
-configured per call).
+fused kernel does not run, PyTorch's own AMX operators before and after it (its tiles are released and configured
+per call), and the kernel built as for processors with AVX-512 but no AMX.
 """
 
 from __future__ import annotations
@@ -352,3 +352,51 @@ def test_training_never_runs_it_and_float32_gradients_match_eager(monkeypatch):
         if theirs.grad is not None:
             scale = theirs.grad.abs().max().item()
             assert max_abs_diff(ours.grad, theirs.grad) <= 1e-4 * max(scale, 1e-8), name
+
+
+# Built as for processors with AVX-512 but no AMX: Xeons from Skylake to Cascade Lake (AVX-512 F, BW, VL, DQ), and
+# AMD EPYC from Zen 4 (AVX512-BF16 too, no AMX), here by turning AMX off on this processor's own flags.
+WITHOUT_AMX = {
+    "skylake-avx512": ("-march=skylake-avx512",),
+    "native-without-amx": ("-march=native", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
+}
+
+
+@pytest.mark.skipif(not native.available(), reason=f"no kernel here: {native.why_unavailable()}")
+@pytest.mark.parametrize("target", list(WITHOUT_AMX))
+def test_built_without_amx_float32_runs_fused_and_bfloat16_does_not(monkeypatch, tmp_path, target):
+    """The source builds for those processors (a header it needs only with AMX once kept it from building there at
+    all); its float32 attention matches the formula and runs in the model, which matches eager to 1e-5; bfloat16
+    says the attention is not there and takes the bias kernel and SDPA, within twice eager's own error."""
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("DISENTANGLED_CACHE", str(tmp_path))
+    flags = tuple(flag for flag in native.FLAGS if not flag.startswith("-march")) + WITHOUT_AMX[target]
+    library = native._build(flags)
+    assert library is not None, native._state.get("why")
+    monkeypatch.setattr(native, "_state", {"library": library})
+    assert native.available() and native.attend_available(torch.float32)
+    assert not native.attend_available(torch.bfloat16)
+
+    positions, query, key, value, pos_key, pos_query = inputs(*POSITIONS["v3"], dtype=torch.float32)
+    keys = slice(0, query.shape[2])
+    expected = formula(positions, query, key, value, pos_key, pos_query, None, keys)
+    within(fused(positions, query, key, value, pos_key, pos_query, None, keys), expected, value)
+
+    reference = model()
+    sdpa = copy.deepcopy(reference)
+    sdpa.set_attn_implementation("sdpa")
+    low_eager = copy.deepcopy(reference).to(torch.bfloat16)
+    low_sdpa = copy.deepcopy(sdpa).to(torch.bfloat16)
+    batch = padded_batch(100, [150, 97])
+    real = batch["attention_mask"].bool()
+    calls = []
+    attend = cpu_inference.attend
+    monkeypatch.setattr(cpu_inference, "attend", lambda *args: calls.append(args[1].dtype) or attend(*args))
+    with torch.no_grad():
+        expected = reference(**batch).last_hidden_state[real]
+        actual = sdpa(**batch).last_hidden_state[real]
+        own = low_eager(**batch).last_hidden_state[real].float()
+        low = low_sdpa(**batch).last_hidden_state[real].float()
+    assert calls and set(calls) == {torch.float32}
+    assert max_abs_diff(actual, expected) <= 1e-5 * max(1.0, expected.abs().max().item())
+    assert max_abs_diff(low, expected) <= 2 * max_abs_diff(own, expected) + 1e-3
