@@ -86,7 +86,8 @@ class Dropout(nn.Dropout):
         if not self.training or self.inplace or not 0 < self.p < 1 or hidden.device.type != "cpu" or is_tracing():
             return super().forward(hidden)
         keep = dropout_keep_mask(hidden.shape, self.p, hidden.device)
-        return (hidden * keep).mul_(1 / (1 - self.p))  # a bool factor: cheaper than a `where` on the CPU
+        # a 0 / 1 uint8 factor: cheaper than a `where`, and than a bool (first copied into a float tensor)
+        return (hidden * keep.view(torch.uint8)).mul_(1 / (1 - self.p))
 
 
 def weights_key(*tensors: Tensor | None) -> tuple | None:

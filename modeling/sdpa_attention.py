@@ -229,9 +229,11 @@ class BlockedAttention(torch.autograd.Function):
                 block_probs = block_probs.to(query.dtype)
                 probs.append(block_probs)
                 if dropout > 0:
-                    block_keep = dropout_keep_mask(block_probs.shape, dropout, block_probs.device)
+                    # as 0 / 1 bytes: a float times a uint8 converts it inside the product's loop, where a bool is
+                    # first copied into a float tensor (0.65 against 1.22 ms at [12, 341, 512], 2 threads)
+                    block_keep = dropout_keep_mask(block_probs.shape, dropout, block_probs.device).view(torch.uint8)
                     keeps.append(block_keep)
-                    block_probs = block_probs * block_keep  # a bool factor: cheaper than a `where` on the CPU
+                    block_probs = block_probs * block_keep  # a factor: cheaper than a `where` on the CPU
                 attended = block_probs @ value[sequences]
                 if dropout > 0:  # 1 / (1 - p) on the [n, D] product rather than on the [n, L] probabilities
                     attended.mul_(1 / (1 - dropout))
