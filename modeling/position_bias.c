@@ -396,17 +396,18 @@ static inline void columns_read(const int32_t *columns, int64_t m_low, int64_t m
     *last = (columns[m_high] + 16) / 16 * 16 < width ? (columns[m_high] + 16) / 16 * 16 : width;
 }
 
-/* T's columns that rows a0 .. a0 + 15 read (c2p_column at m = L - 1 - i + j), and U's that keys b0 .. b0 + 15 read
-   (column at m = i - j + L - 1), over every row and the keys [first_key, first_key + keys). */
+/* T's columns that rows a0 .. a0 + 15 read (c2p_column at m = L - 1 - i + j) over the keys [first_key, first_key +
+   keys), and U's that keys b0 .. b0 + 15 read (column at m = i - j + L - 1) over the rows [row_first, row_last). */
 static inline void t_columns(const AttendArgs *x, int64_t a0, int64_t *first, int64_t *last) {
     const int64_t L = x->length;
     columns_read(x->c2p_column, L - 1 - (a0 + 15) + x->first_key, L - 1 - a0 + x->first_key + x->keys - 1, L,
                  x->width, first, last);
 }
 
-static inline void u_columns(const AttendArgs *x, int64_t b0, int64_t *first, int64_t *last) {
+static inline void u_columns(const AttendArgs *x, int64_t b0, int64_t row_first, int64_t row_last, int64_t *first,
+                             int64_t *last) {
     const int64_t L = x->length, j = x->first_key + b0;
-    columns_read(x->column, L - 1 - (j + 15), 2 * L - 2 - j, L, x->width, first, last);
+    columns_read(x->column, row_first - (j + 15) + L - 1, row_last - 1 - j + L - 1, L, x->width, first, last);
 }
 
 /* Into L2, the lines of U (p2c, float32) that the next block of rows (from row `next`) reads for keys b_first ..
@@ -496,9 +497,10 @@ static void copy_rows(const uint16_t *rows, int64_t stride, int64_t count, uint1
                                                                    : _mm512_setzero_si512());
 }
 
-/* One plane's keys and values in the tiles' layout, from key first_key on, zeros past the last; U for its keys,
-   and U's edge columns. */
-static void pack_plane(const AttendArgs *x, int64_t sequence, int64_t head, char *workspace, Terms *s) {
+/* One plane's keys and values in the tiles' layout, from key first_key on, zeros past the last; U for its keys at
+   the columns that rows [row_first, row_last) read, and U's edge columns. */
+static void pack_plane(const AttendArgs *x, int64_t sequence, int64_t head, int64_t row_first, int64_t row_last,
+                       char *workspace, Terms *s) {
     const int64_t keys = x->keys, padded = padded_keys(keys), width = x->width;
     uint32_t *key_tiles = (uint32_t *)workspace;          /* [padded / 16][2][16][16] */
     uint32_t *value_tiles = key_tiles + padded * DIM / 2; /* [padded / 32][4][16][16] */
@@ -519,7 +521,7 @@ static void pack_plane(const AttendArgs *x, int64_t sequence, int64_t head, char
             _tile_loadd(4, rows, DIM * 2);
             _tile_loadd(5, rows + 32, DIM * 2);
             int64_t first, last;
-            u_columns(x, j0, &first, &last);
+            u_columns(x, j0, row_first, row_last, &first, &last);
             table_rows(x->pos_query + head * (width / 16) * 2 * 256, width, u + j0 * width, first, last);
         }
     }
@@ -658,7 +660,8 @@ static void table_rows_f32(const float *a, const float *packed, int64_t width, f
     }
 }
 
-static void pack_plane_f32(const AttendArgs *x, int64_t sequence, int64_t head, char *workspace, Terms *s) {
+static void pack_plane_f32(const AttendArgs *x, int64_t sequence, int64_t head, int64_t row_first, int64_t row_last,
+                           char *workspace, Terms *s) {
     const int64_t keys = x->keys, padded = padded_keys(keys), width = x->width;
     float *key_tiles = (float *)workspace; /* [padded / 16][64][16] */
     float *value_rows = key_tiles + padded * DIM; /* [padded][64] */
@@ -679,7 +682,7 @@ static void pack_plane_f32(const AttendArgs *x, int64_t sequence, int64_t head, 
         }
         if (x->pos_query && j0 < keys) { /* U of these 16 keys */
             int64_t first, last;
-            u_columns(x, j0, &first, &last);
+            u_columns(x, j0, row_first, row_last, &first, &last);
             table_rows_f32(rows, (const float *)x->pos_query + head * width * DIM, width, u + j0 * width, first, last);
         }
     }
@@ -792,12 +795,17 @@ int attend(const AttendArgs *x, int64_t element_size, int64_t planes, int64_t ch
         /* the workspace: keys and values packed, U, its edges, T */
         char *workspace = (char *)x->workspace + omp_get_thread_num() * bytes;
         float *t = (float *)(workspace + packed_bytes(padded) + (padded * x->width + 16) * 4 + padded * 2 * 4);
-        int64_t packed = -1; /* the plane in the workspace */
+        /* the plane (or, in parts, the part) in the workspace: a part's U is made only where its rows read it, so
+           that parts of one plane on many threads do not each make all of it */
+        int64_t packed = -1;
         Terms s;
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < planes * chunks; item++) {
             const int64_t plane = item / chunks, sequence = plane / x->heads, head = plane % x->heads;
-            if (plane != packed) {
+            const int64_t first = (item % chunks) * per_chunk, last = first + per_chunk < blocks ? first + per_chunk : blocks;
+            if (first >= last) continue; /* a part past the last block */
+            const int64_t row_first = first * QUERY_ROWS, row_last = chunks > 1 && last < blocks ? last * QUERY_ROWS : x->length;
+            if ((chunks > 1 ? item : plane) != packed) {
                 s = (Terms){
                     .t = x->pos_key ? (const char *)t : NULL,
                     .u = x->pos_query ? workspace + packed_bytes(padded) : NULL,
@@ -809,13 +817,12 @@ int attend(const AttendArgs *x, int64_t element_size, int64_t planes, int64_t ch
                     .first_key = x->first_key,
                 };
 #ifdef HAVE_AMX
-                if (bf16) pack_plane(x, sequence, head, workspace, &s);
+                if (bf16) pack_plane(x, sequence, head, row_first, row_last, workspace, &s);
                 else
 #endif
-                    pack_plane_f32(x, sequence, head, workspace, &s);
-                packed = plane;
+                    pack_plane_f32(x, sequence, head, row_first, row_last, workspace, &s);
+                packed = chunks > 1 ? item : plane;
             }
-            const int64_t first = (item % chunks) * per_chunk, last = first + per_chunk < blocks ? first + per_chunk : blocks;
 #ifdef HAVE_AMX
             if (bf16) {
                 for (int64_t block = first; block < last; block++) attend_rows(x, sequence, head, block * QUERY_ROWS, workspace, &s);

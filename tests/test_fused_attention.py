@@ -136,11 +136,13 @@ def test_fused_kernel_short_and_ragged_inputs(length, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [1, 3])
 @pytest.mark.parametrize("threads", [1, 4])
-def test_fused_kernel_with_more_threads_than_planes(threads, dtype):
-    """One plane on 4 threads splits its rows into parts (each packs the plane itself); on 1 thread it is one part.
-    The results are the same bits either way."""
-    positions, query, key, value, pos_key, pos_query = inputs(300, 256, 256, 512, batch=1, heads=1, dtype=dtype)
+def test_fused_kernel_with_more_threads_than_planes(threads, heads, dtype):
+    """Planes fewer than threads split their rows into parts, each packing the plane and making U only where its
+    rows read it: one plane on 4 threads in 4 parts, three planes in 6 parts (a thread takes two parts of one
+    plane, and must make U again for the second); on 1 thread each plane is one part. The same bits every way."""
+    positions, query, key, value, pos_key, pos_query = inputs(300, 256, 256, 512, batch=1, heads=heads, dtype=dtype)
     keys = slice(0, 300)
     before = torch.get_num_threads()
     try:
