@@ -313,7 +313,7 @@ typedef struct {
 #define QUERY_ROWS 16
 #define KEY_BLOCK 128
 #define DIM 64
-#define ROW_GROUP 8 /* blocks of 16 rows per sweep over the keys, float32 (attend_rows_f32) */
+#define ROW_GROUP 8 /* blocks of 16 rows per sweep over the keys (attend_rows, attend_rows_f32) */
 
 static int64_t padded_keys(int64_t keys) { return (keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK; }
 
@@ -322,8 +322,8 @@ static int64_t padded_keys(int64_t keys) { return (keys + KEY_BLOCK - 1) / KEY_B
 static int64_t packed_bytes(int64_t padded) { return padded * DIM * 2 * 4; }
 
 /* One thread's workspace: the plane's packed keys and values, U ([padded keys, W] float32) and its edge columns,
-   and the T of a block of rows (bfloat16: [16, W]) or of a group of blocks (float32: [ROW_GROUP x 16, W]), in
-   float32, each table with 16 spare elements (the tile loads read 16 columns). */
+   and the T of a group of blocks of rows ([ROW_GROUP x 16, W] float32), each table with 16 spare elements (the
+   tile loads read 16 columns). */
 int64_t workspace_bytes(int64_t keys, int64_t width) {
     const int64_t padded = padded_keys(keys);
     return packed_bytes(padded) + (padded * width + 16) * 4 + padded * 2 * 4 + (ROW_GROUP * QUERY_ROWS * width + 16) * 4 + 64;
@@ -410,9 +410,10 @@ static inline void u_columns(const AttendArgs *x, int64_t b0, int64_t row_first,
     columns_read(x->column, row_first - (j + 15) + L - 1, row_last - 1 - j + L - 1, L, x->width, first, last);
 }
 
-/* Into L2, the lines of U (p2c, float32) that the next block of rows (from row `next`) reads for keys b_first ..
-   b_last - 1 inside the buckets' reach: each key's run of 16 columns is a line of its own row of U, read once per
-   block and 2 KiB or more from the next key's, so that without this every one was a miss to the last-level cache. */
+/* Into L2, the lines of U (p2c, float32) that the next block of rows (16 from row `next`) reads for keys b_first
+   .. b_last - 1 inside the buckets' reach: each key's run of 16 columns is a line of its own row of U, read once
+   per block and 2 KiB or more from the next key's, so that without this every one was a miss to the last-level
+   cache. bfloat16 only: float32's products take long enough to hide them. */
 static inline void prefetch_u(const Terms *s, int64_t next, int64_t b_first, int64_t b_last) {
     const int64_t L = s->length;
     if (!s->u || next >= L) return;
@@ -541,37 +542,45 @@ static void pack_plane(const AttendArgs *x, int64_t sequence, int64_t head, int6
     if (x->pos_query) fill_edges(s, u + padded * width + 16, keys / 16 * 16, 0);
 }
 
-/* Rows [a0, a0 + 16) of one plane (fewer at the end), its keys and values packed in `workspace`. */
-static void attend_rows(const AttendArgs *x, int64_t sequence, int64_t head, int64_t a0, char *workspace, Terms *s) {
+/* Rows [a0, a0 + 16 count) of one plane (fewer at the end), count <= ROW_GROUP blocks of 16 in one sweep over the
+   keys and values packed in `workspace`, as in float32 (below; in bfloat16, whose keys and values take half the
+   room, it timed within a few percent of one block per sweep); `tables` holds each block's T ([16, W], one after
+   another). While a block's scores are made, the lines of U the next block reads are fetched. */
+static void attend_rows(const AttendArgs *x, int64_t sequence, int64_t head, int64_t a0, int64_t count, char *workspace,
+                        Terms *s, float *tables) {
     const int64_t length = x->length, keys = x->keys, padded = padded_keys(keys), width = x->width;
     const uint32_t *key_tiles = (const uint32_t *)workspace, *value_tiles = key_tiles + padded * DIM / 2;
     const uint8_t *keep = x->keep ? x->keep + sequence * x->keep_sequence : NULL;
-    const int64_t rows = length - a0 < QUERY_ROWS ? length - a0 : QUERY_ROWS;
-    __attribute__((aligned(64))) uint16_t query[QUERY_ROWS * DIM], weights[QUERY_ROWS * KEY_BLOCK];
-    __attribute__((aligned(64))) float scores[QUERY_ROWS * KEY_BLOCK], context[QUERY_ROWS * DIM], block[QUERY_ROWS * DIM];
-    float maximum[QUERY_ROWS], total[QUERY_ROWS];
-    copy_rows(x->query + sequence * x->query_sequence + head * x->query_head + a0 * x->query_row, x->query_row, rows,
-              query);
-    _tile_loadd(4, query, DIM * 2);
-    _tile_loadd(5, query + 32, DIM * 2);
-    if (x->pos_key) { /* T of the rows */
-        int64_t first, last;
-        t_columns(x, a0, &first, &last);
-        table_rows(x->pos_key + head * (width / 16) * 2 * 256, width, (float *)s->t, first, last);
+    __attribute__((aligned(64))) uint16_t query[ROW_GROUP][QUERY_ROWS * DIM], weights[QUERY_ROWS * KEY_BLOCK];
+    __attribute__((aligned(64))) float context[ROW_GROUP][QUERY_ROWS * DIM];
+    __attribute__((aligned(64))) float scores[QUERY_ROWS * KEY_BLOCK], block[QUERY_ROWS * DIM];
+    float maximum[ROW_GROUP][QUERY_ROWS], total[ROW_GROUP][QUERY_ROWS];
+    int64_t rows[ROW_GROUP];
+    for (int64_t g = 0; g < count; g++) {
+        const int64_t first_row = a0 + g * QUERY_ROWS;
+        rows[g] = length - first_row < QUERY_ROWS ? length - first_row : QUERY_ROWS;
+        copy_rows(x->query + sequence * x->query_sequence + head * x->query_head + first_row * x->query_row,
+                  x->query_row, rows[g], query[g]);
+        if (x->pos_key) { /* T of the rows */
+            int64_t first, last;
+            t_columns(x, first_row, &first, &last);
+            _tile_loadd(4, query[g], DIM * 2);
+            _tile_loadd(5, query[g] + 32, DIM * 2);
+            table_rows(x->pos_key + head * (width / 16) * 2 * 256, width, tables + g * QUERY_ROWS * width, first, last);
+        }
+        for (int r = 0; r < QUERY_ROWS; r++) maximum[g][r] = -INFINITY, total[g][r] = 0.0f;
+        memset(context[g], 0, sizeof(context[g]));
     }
-    s->first_row = a0;
-    for (int r = 0; r < QUERY_ROWS; r++) {
-        maximum[r] = -INFINITY;
-        total[r] = 0.0f;
-    }
-    memset(context, 0, sizeof(context));
     for (int64_t k0 = 0; k0 < keys; k0 += KEY_BLOCK) {
-        /* scores = q k^T of the block, 64 keys at a time: tile n holds keys 16n .. 16n + 15 of the 64 */
-        _tile_loadd(4, query, DIM * 2);
-        _tile_loadd(5, query + 32, DIM * 2);
-        for (int64_t part = k0; part < k0 + KEY_BLOCK && part < keys; part += 64) {
-            const uint32_t *kt = key_tiles + (part / 16) * 2 * 256;
-            float *into = scores + (part - k0);
+        for (int64_t g = 0; g < count; g++) {
+            s->first_row = a0 + g * QUERY_ROWS;
+            if (x->pos_key) s->t = (const char *)(tables + g * QUERY_ROWS * width);
+            /* scores = q k^T of the block, 64 keys at a time: tile n holds keys 16n .. 16n + 15 of the 64 */
+            _tile_loadd(4, query[g], DIM * 2);
+            _tile_loadd(5, query[g] + 32, DIM * 2);
+            for (int64_t part = k0; part < k0 + KEY_BLOCK && part < keys; part += 64) {
+                const uint32_t *kt = key_tiles + (part / 16) * 2 * 256;
+                float *into = scores + (part - k0);
 #define SCORES(n)                                 \
     _tile_zero(n);                                \
     _tile_loadd(6, kt + (2 * (n)) * 256, 64);     \
@@ -579,50 +588,55 @@ static void attend_rows(const AttendArgs *x, int64_t sequence, int64_t head, int
     _tile_loadd(7, kt + (2 * (n) + 1) * 256, 64); \
     _tile_dpbf16ps(n, 5, 7);                      \
     _tile_stored(n, into + 16 * (n), KEY_BLOCK * 4);
-            SCORES(0) SCORES(1) SCORES(2) SCORES(3)
+                SCORES(0) SCORES(1) SCORES(2) SCORES(3)
 #undef SCORES
-        }
-        /* + the position terms, and the keys left out at -inf; then the online softmax */
-        for (int64_t b0 = k0; b0 < k0 + KEY_BLOCK; b0 += 16) add_position_terms(s, scores + (b0 - k0), b0, rows, keys, keep, x->scale);
-        float rescale[QUERY_ROWS];
-        prefetch_u(s, a0 + QUERY_ROWS, k0, k0 + KEY_BLOCK < keys ? k0 + KEY_BLOCK : keys);
-        online_softmax(scores, maximum, total, rescale, weights, 1);
-        /* block = weights v: tile n holds dimensions 16n .. 16n + 15, over the block's keys 32 at a time */
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t part = k0; part < k0 + KEY_BLOCK && part < keys; part += 32) {
-            const uint32_t *vt = value_tiles + (part / 32) * 4 * 256;
-            _tile_loadd(4, weights + (part - k0), KEY_BLOCK * 2);
-            _tile_loadd(6, vt, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, vt + 256, 64);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_loadd(6, vt + 512, 64);
-            _tile_dpbf16ps(2, 4, 6);
-            _tile_loadd(7, vt + 768, 64);
-            _tile_dpbf16ps(3, 4, 7);
-        }
-        _tile_stored(0, block, DIM * 4);
-        _tile_stored(1, block + 16, DIM * 4);
-        _tile_stored(2, block + 32, DIM * 4);
-        _tile_stored(3, block + 48, DIM * 4);
-        for (int r = 0; r < QUERY_ROWS; r++) {
-            const __m512 factor = _mm512_set1_ps(rescale[r]);
-            for (int c = 0; c < DIM; c += 16) {
-                const __m512 sum = _mm512_fmadd_ps(_mm512_loadu_ps(context + r * DIM + c), factor,
-                                                   _mm512_loadu_ps(block + r * DIM + c));
-                _mm512_storeu_ps(context + r * DIM + c, sum);
+            }
+            /* + the position terms, and the keys left out at -inf; then the online softmax */
+            for (int64_t b0 = k0; b0 < k0 + KEY_BLOCK; b0 += 16)
+                add_position_terms(s, scores + (b0 - k0), b0, rows[g], keys, keep, x->scale);
+            if (g + 1 < count) prefetch_u(s, a0 + (g + 1) * QUERY_ROWS, k0, k0 + KEY_BLOCK < keys ? k0 + KEY_BLOCK : keys);
+            else prefetch_u(s, a0, k0 + KEY_BLOCK, k0 + 2 * KEY_BLOCK < keys ? k0 + 2 * KEY_BLOCK : keys);
+            float rescale[QUERY_ROWS];
+            online_softmax(scores, maximum[g], total[g], rescale, weights, 1);
+            /* block = weights v: tile n holds dimensions 16n .. 16n + 15, over the block's keys 32 at a time */
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t part = k0; part < k0 + KEY_BLOCK && part < keys; part += 32) {
+                const uint32_t *vt = value_tiles + (part / 32) * 4 * 256;
+                _tile_loadd(4, weights + (part - k0), KEY_BLOCK * 2);
+                _tile_loadd(6, vt, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(7, vt + 256, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_loadd(6, vt + 512, 64);
+                _tile_dpbf16ps(2, 4, 6);
+                _tile_loadd(7, vt + 768, 64);
+                _tile_dpbf16ps(3, 4, 7);
+            }
+            _tile_stored(0, block, DIM * 4);
+            _tile_stored(1, block + 16, DIM * 4);
+            _tile_stored(2, block + 32, DIM * 4);
+            _tile_stored(3, block + 48, DIM * 4);
+            for (int r = 0; r < QUERY_ROWS; r++) {
+                const __m512 factor = _mm512_set1_ps(rescale[r]);
+                for (int c = 0; c < DIM; c += 16) {
+                    const __m512 sum = _mm512_fmadd_ps(_mm512_loadu_ps(context[g] + r * DIM + c), factor,
+                                                       _mm512_loadu_ps(block + r * DIM + c));
+                    _mm512_storeu_ps(context[g] + r * DIM + c, sum);
+                }
             }
         }
     }
-    uint16_t *o = x->out + sequence * x->out_sequence + head * x->out_head + a0 * x->out_row;
-    for (int64_t r = 0; r < rows; r++) {
-        const __m512 inverse = _mm512_set1_ps(total[r] > 0.0f ? 1.0f / total[r] : 0.0f);
-        for (int c = 0; c < DIM; c += 16) {
-            const __m512 value = _mm512_mul_ps(_mm512_loadu_ps(context + r * DIM + c), inverse);
-            _mm256_storeu_si256((__m256i *)(o + r * x->out_row + c), round_bf16(value));
+    for (int64_t g = 0; g < count; g++) {
+        uint16_t *o = x->out + sequence * x->out_sequence + head * x->out_head + (a0 + g * QUERY_ROWS) * x->out_row;
+        for (int64_t r = 0; r < rows[g]; r++) {
+            const __m512 inverse = _mm512_set1_ps(total[g][r] > 0.0f ? 1.0f / total[g][r] : 0.0f);
+            for (int c = 0; c < DIM; c += 16) {
+                const __m512 value = _mm512_mul_ps(_mm512_loadu_ps(context[g] + r * DIM + c), inverse);
+                _mm256_storeu_si256((__m256i *)(o + r * x->out_row + c), round_bf16(value));
+            }
         }
     }
 }
@@ -823,15 +837,14 @@ int attend(const AttendArgs *x, int64_t element_size, int64_t planes, int64_t ch
                     pack_plane_f32(x, sequence, head, row_first, row_last, workspace, &s);
                 packed = chunks > 1 ? item : plane;
             }
+            for (int64_t block = first; block < last; block += ROW_GROUP) {
+                const int64_t count = last - block < ROW_GROUP ? last - block : ROW_GROUP;
 #ifdef HAVE_AMX
-            if (bf16) {
-                for (int64_t block = first; block < last; block++) attend_rows(x, sequence, head, block * QUERY_ROWS, workspace, &s);
-                continue;
-            }
+                if (bf16) attend_rows(x, sequence, head, block * QUERY_ROWS, count, workspace, &s, t);
+                else
 #endif
-            for (int64_t block = first; block < last; block += ROW_GROUP)
-                attend_rows_f32(x, sequence, head, block * QUERY_ROWS, last - block < ROW_GROUP ? last - block : ROW_GROUP,
-                                workspace, &s, t);
+                    attend_rows_f32(x, sequence, head, block * QUERY_ROWS, count, workspace, &s, t);
+            }
         }
 #ifdef HAVE_AMX
         if (bf16) _tile_release();
