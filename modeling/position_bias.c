@@ -170,6 +170,12 @@ static void fill_edges(Terms *s, float *edges, int64_t keys, const int bf16) {
     s->edge_keys = keys;
 }
 
+/* Whether the distances from column `from` to column `to` are all beyond the buckets' reach: one column, the
+   table's first or its last. */
+static inline int beyond_reach(const Terms *s, int32_t from, int32_t to) {
+    return from == to && (from == s->forward[0] || from == s->forward[2 * s->length - 2]);
+}
+
 /* m[r] = c2p + p2c of row a0 + r against keys b0 .. b0 + 15: a whole tile inside the tables, each sum in float32.
    The flags are constants at each call, so that every case compiles on its own. */
 static inline __attribute__((always_inline)) void bias_tile(const Terms *s, int64_t a0, int64_t b0, __m512 m[16],
@@ -177,11 +183,10 @@ static inline __attribute__((always_inline)) void bias_tile(const Terms *s, int6
     const int64_t L = s->length, i0 = s->first_row + a0, j0 = s->first_key + b0;
     const int32_t *forward = s->forward;
     const int32_t nearest = forward[i0 - (j0 + 15) + L - 1], farthest = forward[i0 + 15 - j0 + L - 1];
-    const int32_t first_column = forward[0], last_column = forward[2 * L - 2];
-    if (nearest == farthest && (nearest == first_column || nearest == last_column)) {
+    if (beyond_reach(s, nearest, farthest)) {
         /* beyond the reach: every distance of the tile reads one column, a row constant plus a key bias */
         const __m512 key_bias =
-            with_p2c ? _mm512_loadu_ps(s->edges + (nearest == first_column ? 0 : s->edge_keys) + b0) : _mm512_setzero_ps();
+            with_p2c ? _mm512_loadu_ps(s->edges + (nearest == forward[0] ? 0 : s->edge_keys) + b0) : _mm512_setzero_ps();
         const int32_t c2p_at = s->c2p_column[L - 1 - i0 + j0];
         for (int r = 0; r < 16; r++) {
             m[r] = key_bias;
@@ -417,12 +422,11 @@ static inline void u_columns(const AttendArgs *x, int64_t b0, int64_t row_first,
 static inline void prefetch_u(const Terms *s, int64_t next, int64_t b_first, int64_t b_last) {
     const int64_t L = s->length;
     if (!s->u || next >= L) return;
-    const int32_t first_column = s->forward[0], last_column = s->forward[2 * L - 2];
     for (int64_t b = b_first; b < b_last; b++) {
         int64_t low = next - (s->first_key + b) + L - 1, high = low + 15;
         high = high > 2 * L - 2 ? 2 * L - 2 : high;
         const int32_t from = s->forward[low], to = s->forward[high];
-        if (from == to && (from == first_column || from == last_column)) continue; /* beyond the reach: the edges */
+        if (beyond_reach(s, from, to)) continue; /* the tile reads the edges, not U */
         const float *row = (const float *)s->u + b * s->u_row;
         _mm_prefetch((const char *)(row + from), _MM_HINT_T1);
         _mm_prefetch((const char *)(row + to), _MM_HINT_T1);
@@ -461,6 +465,55 @@ static inline __attribute__((always_inline)) void online_softmax(const float *sc
             }
         }
         total[r] = total[r] * rescale[r] + _mm512_reduce_add_ps(sum);
+    }
+}
+
+/* What a group of up to ROW_GROUP blocks of 16 rows keeps over its one sweep of the keys (attend_rows in bfloat16,
+   attend_rows_f32 in float32): each block's rows, running maxima and sums, and context in float32. Sweeping the
+   keys once per group rather than once per block reads each block of 128 packed keys and values from memory once
+   per 128 rows (at 4,096 tokens a plane's keys and values are 2 MiB in float32, an L2 cache). */
+typedef struct {
+    int64_t first_row, count, rows[ROW_GROUP];
+    float maximum[ROW_GROUP][QUERY_ROWS], total[ROW_GROUP][QUERY_ROWS];
+    float context[ROW_GROUP][QUERY_ROWS * DIM] __attribute__((aligned(64)));
+} Group;
+
+static void start_group(Group *group, int64_t a0, int64_t count, int64_t length) {
+    group->first_row = a0;
+    group->count = count;
+    for (int64_t g = 0; g < count; g++) {
+        const int64_t first_row = a0 + g * QUERY_ROWS;
+        group->rows[g] = length - first_row < QUERY_ROWS ? length - first_row : QUERY_ROWS;
+        for (int r = 0; r < QUERY_ROWS; r++) group->maximum[g][r] = -INFINITY, group->total[g][r] = 0.0f;
+        memset(group->context[g], 0, sizeof(group->context[g]));
+    }
+}
+
+/* Block g's scores against keys k0 .. k0 + KEY_BLOCK - 1 (q k^T, in `scores`): scaled, plus the position terms
+   (the block's T in `tables`), the keys left out at -inf; then the online softmax into `weights` and `rescale`. */
+static inline __attribute__((always_inline)) void softmax_block(Group *group, int64_t g, const AttendArgs *x,
+                                                               Terms *s, const float *tables, int64_t k0,
+                                                               const uint8_t *keep, float *scores, float *rescale,
+                                                               void *weights, const int bf16) {
+    s->first_row = group->first_row + g * QUERY_ROWS;
+    if (x->pos_key) s->t = (const char *)(tables + g * QUERY_ROWS * x->width);
+    for (int64_t b0 = k0; b0 < k0 + KEY_BLOCK; b0 += 16)
+        add_position_terms(s, scores + (b0 - k0), b0, group->rows[g], x->keys, keep, x->scale);
+    online_softmax(scores, group->maximum[g], group->total[g], rescale, weights, bf16);
+}
+
+/* The group's context divided by each row's sum (0 for a row with no key), into `out` in its dtype. */
+static void finish_group(const Group *group, const AttendArgs *x, int64_t sequence, int64_t head, const int bf16) {
+    for (int64_t g = 0; g < group->count; g++) {
+        const int64_t at = sequence * x->out_sequence + head * x->out_head + (group->first_row + g * QUERY_ROWS) * x->out_row;
+        for (int64_t r = 0; r < group->rows[g]; r++) {
+            const __m512 inverse = _mm512_set1_ps(group->total[g][r] > 0.0f ? 1.0f / group->total[g][r] : 0.0f);
+            for (int c = 0; c < DIM; c += 16) {
+                const __m512 value = _mm512_mul_ps(_mm512_loadu_ps(group->context[g] + r * DIM + c), inverse);
+                if (bf16) _mm256_storeu_si256((__m256i *)(x->out + at + r * x->out_row + c), round_bf16(value));
+                else _mm512_storeu_ps((float *)x->out + at + r * x->out_row + c, value);
+            }
+        }
     }
 }
 
@@ -543,38 +596,31 @@ static void pack_plane(const AttendArgs *x, int64_t sequence, int64_t head, int6
 }
 
 /* Rows [a0, a0 + 16 count) of one plane (fewer at the end), count <= ROW_GROUP blocks of 16 in one sweep over the
-   keys and values packed in `workspace`, as in float32 (below; in bfloat16, whose keys and values take half the
-   room, it timed within a few percent of one block per sweep); `tables` holds each block's T ([16, W], one after
-   another). While a block's scores are made, the lines of U the next block reads are fetched. */
+   keys and values packed in `workspace` (a Group: in bfloat16, whose keys and values take half the room, it timed
+   within a few percent of one block per sweep); `tables` holds each block's T ([16, W], one after another). While a
+   block's weights are made, the lines of U the next block reads are fetched. */
 static void attend_rows(const AttendArgs *x, int64_t sequence, int64_t head, int64_t a0, int64_t count, char *workspace,
                         Terms *s, float *tables) {
-    const int64_t length = x->length, keys = x->keys, padded = padded_keys(keys), width = x->width;
+    const int64_t keys = x->keys, padded = padded_keys(keys), width = x->width;
     const uint32_t *key_tiles = (const uint32_t *)workspace, *value_tiles = key_tiles + padded * DIM / 2;
     const uint8_t *keep = x->keep ? x->keep + sequence * x->keep_sequence : NULL;
     __attribute__((aligned(64))) uint16_t query[ROW_GROUP][QUERY_ROWS * DIM], weights[QUERY_ROWS * KEY_BLOCK];
-    __attribute__((aligned(64))) float context[ROW_GROUP][QUERY_ROWS * DIM];
     __attribute__((aligned(64))) float scores[QUERY_ROWS * KEY_BLOCK], block[QUERY_ROWS * DIM];
-    float maximum[ROW_GROUP][QUERY_ROWS], total[ROW_GROUP][QUERY_ROWS];
-    int64_t rows[ROW_GROUP];
+    Group group;
+    start_group(&group, a0, count, x->length);
     for (int64_t g = 0; g < count; g++) {
-        const int64_t first_row = a0 + g * QUERY_ROWS;
-        rows[g] = length - first_row < QUERY_ROWS ? length - first_row : QUERY_ROWS;
-        copy_rows(x->query + sequence * x->query_sequence + head * x->query_head + first_row * x->query_row,
-                  x->query_row, rows[g], query[g]);
+        copy_rows(x->query + sequence * x->query_sequence + head * x->query_head + (a0 + g * QUERY_ROWS) * x->query_row,
+                  x->query_row, group.rows[g], query[g]);
         if (x->pos_key) { /* T of the rows */
             int64_t first, last;
-            t_columns(x, first_row, &first, &last);
+            t_columns(x, a0 + g * QUERY_ROWS, &first, &last);
             _tile_loadd(4, query[g], DIM * 2);
             _tile_loadd(5, query[g] + 32, DIM * 2);
             table_rows(x->pos_key + head * (width / 16) * 2 * 256, width, tables + g * QUERY_ROWS * width, first, last);
         }
-        for (int r = 0; r < QUERY_ROWS; r++) maximum[g][r] = -INFINITY, total[g][r] = 0.0f;
-        memset(context[g], 0, sizeof(context[g]));
     }
     for (int64_t k0 = 0; k0 < keys; k0 += KEY_BLOCK) {
         for (int64_t g = 0; g < count; g++) {
-            s->first_row = a0 + g * QUERY_ROWS;
-            if (x->pos_key) s->t = (const char *)(tables + g * QUERY_ROWS * width);
             /* scores = q k^T of the block, 64 keys at a time: tile n holds keys 16n .. 16n + 15 of the 64 */
             _tile_loadd(4, query[g], DIM * 2);
             _tile_loadd(5, query[g] + 32, DIM * 2);
@@ -591,13 +637,10 @@ static void attend_rows(const AttendArgs *x, int64_t sequence, int64_t head, int
                 SCORES(0) SCORES(1) SCORES(2) SCORES(3)
 #undef SCORES
             }
-            /* + the position terms, and the keys left out at -inf; then the online softmax */
-            for (int64_t b0 = k0; b0 < k0 + KEY_BLOCK; b0 += 16)
-                add_position_terms(s, scores + (b0 - k0), b0, rows[g], keys, keep, x->scale);
+            float rescale[QUERY_ROWS];
+            softmax_block(&group, g, x, s, tables, k0, keep, scores, rescale, weights, 1);
             if (g + 1 < count) prefetch_u(s, a0 + (g + 1) * QUERY_ROWS, k0, k0 + KEY_BLOCK < keys ? k0 + KEY_BLOCK : keys);
             else prefetch_u(s, a0, k0 + KEY_BLOCK, k0 + 2 * KEY_BLOCK < keys ? k0 + 2 * KEY_BLOCK : keys);
-            float rescale[QUERY_ROWS];
-            online_softmax(scores, maximum[g], total[g], rescale, weights, 1);
             /* block = weights v: tile n holds dimensions 16n .. 16n + 15, over the block's keys 32 at a time */
             _tile_zero(0);
             _tile_zero(1);
@@ -619,26 +662,18 @@ static void attend_rows(const AttendArgs *x, int64_t sequence, int64_t head, int
             _tile_stored(1, block + 16, DIM * 4);
             _tile_stored(2, block + 32, DIM * 4);
             _tile_stored(3, block + 48, DIM * 4);
+            float *context = group.context[g]; /* context * rescale + block */
             for (int r = 0; r < QUERY_ROWS; r++) {
                 const __m512 factor = _mm512_set1_ps(rescale[r]);
                 for (int c = 0; c < DIM; c += 16) {
-                    const __m512 sum = _mm512_fmadd_ps(_mm512_loadu_ps(context[g] + r * DIM + c), factor,
+                    const __m512 sum = _mm512_fmadd_ps(_mm512_loadu_ps(context + r * DIM + c), factor,
                                                        _mm512_loadu_ps(block + r * DIM + c));
-                    _mm512_storeu_ps(context[g] + r * DIM + c, sum);
+                    _mm512_storeu_ps(context + r * DIM + c, sum);
                 }
             }
         }
     }
-    for (int64_t g = 0; g < count; g++) {
-        uint16_t *o = x->out + sequence * x->out_sequence + head * x->out_head + (a0 + g * QUERY_ROWS) * x->out_row;
-        for (int64_t r = 0; r < rows[g]; r++) {
-            const __m512 inverse = _mm512_set1_ps(total[g][r] > 0.0f ? 1.0f / total[g][r] : 0.0f);
-            for (int c = 0; c < DIM; c += 16) {
-                const __m512 value = _mm512_mul_ps(_mm512_loadu_ps(context[g] + r * DIM + c), inverse);
-                _mm256_storeu_si256((__m256i *)(o + r * x->out_row + c), round_bf16(value));
-            }
-        }
-    }
+    finish_group(&group, x, sequence, head, 1);
 }
 #endif
 
@@ -704,70 +739,54 @@ static void pack_plane_f32(const AttendArgs *x, int64_t sequence, int64_t head, 
 }
 
 /* Rows [a0, a0 + 16 count) of one plane (fewer at the end), count <= ROW_GROUP blocks of 16 in one sweep over the
-   keys and values packed in `workspace`, so that each block of 128 keys is read from memory once per group rather
-   than once per block (at 4,096 tokens a plane's keys and values are 2 MiB in float32, an L2 cache); `tables`
-   holds each block's T ([16, W], one after another). */
+   keys and values packed in `workspace` (a Group); `tables` holds each block's T ([16, W], one after another). */
 static void attend_rows_f32(const AttendArgs *x, int64_t sequence, int64_t head, int64_t a0, int64_t count,
                             char *workspace, Terms *s, float *tables) {
-    const int64_t length = x->length, keys = x->keys, width = x->width;
+    const int64_t keys = x->keys, width = x->width;
     const float *key_tiles = (const float *)workspace, *v = key_tiles + padded_keys(keys) * DIM;
     const uint8_t *keep = x->keep ? x->keep + sequence * x->keep_sequence : NULL;
-    __attribute__((aligned(64))) float query[ROW_GROUP][QUERY_ROWS * DIM], context[ROW_GROUP][QUERY_ROWS * DIM];
+    __attribute__((aligned(64))) float query[ROW_GROUP][QUERY_ROWS * DIM];
     __attribute__((aligned(64))) float scores[QUERY_ROWS * KEY_BLOCK], weights[QUERY_ROWS * KEY_BLOCK];
-    float maximum[ROW_GROUP][QUERY_ROWS], total[ROW_GROUP][QUERY_ROWS];
-    int64_t rows[ROW_GROUP];
+    Group group;
+    start_group(&group, a0, count, x->length);
     for (int64_t g = 0; g < count; g++) {
-        const int64_t first_row = a0 + g * QUERY_ROWS;
-        rows[g] = length - first_row < QUERY_ROWS ? length - first_row : QUERY_ROWS;
         copy_rows_f32((const float *)x->query + sequence * x->query_sequence + head * x->query_head +
-                          first_row * x->query_row,
-                      x->query_row, rows[g], query[g]);
+                          (a0 + g * QUERY_ROWS) * x->query_row,
+                      x->query_row, group.rows[g], query[g]);
         if (x->pos_key) {
             int64_t first, last;
-            t_columns(x, first_row, &first, &last);
+            t_columns(x, a0 + g * QUERY_ROWS, &first, &last);
             table_rows_f32(query[g], (const float *)x->pos_key + head * width * DIM, width, tables + g * QUERY_ROWS * width,
                            first, last);
         }
-        for (int r = 0; r < QUERY_ROWS; r++) maximum[g][r] = -INFINITY, total[g][r] = 0.0f;
-        memset(context[g], 0, sizeof(context[g]));
     }
     for (int64_t k0 = 0; k0 < keys; k0 += KEY_BLOCK) {
         const int64_t count_keys = keys - k0 < KEY_BLOCK ? keys - k0 : KEY_BLOCK;
         for (int64_t g = 0; g < count; g++) {
-            s->first_row = a0 + g * QUERY_ROWS;
-            if (x->pos_key) s->t = (const char *)(tables + g * QUERY_ROWS * width);
-            /* scores = q k^T, 16 keys at a time, + the position terms; then the online softmax */
+            /* scores = q k^T, 16 keys at a time */
             for (int64_t b0 = k0; b0 < k0 + count_keys; b0 += 16) {
                 __m512 acc[16];
                 product16(query[g], key_tiles + (b0 / 16) * DIM * 16, acc);
                 for (int r = 0; r < 16; r++) _mm512_storeu_ps(scores + (b0 - k0) + r * KEY_BLOCK, acc[r]);
             }
-            for (int64_t b0 = k0; b0 < k0 + KEY_BLOCK; b0 += 16)
-                add_position_terms(s, scores + (b0 - k0), b0, rows[g], keys, keep, x->scale);
             float rescale[QUERY_ROWS];
-            online_softmax(scores, maximum[g], total[g], rescale, weights, 0);
+            softmax_block(&group, g, x, s, tables, k0, keep, scores, rescale, weights, 0);
             /* context = context * rescale + weights v, 16 dimensions at a time */
+            float *context = group.context[g];
             for (int t = 0; t < DIM; t += 16) {
                 __m512 acc[16];
                 for (int r = 0; r < 16; r++)
-                    acc[r] = _mm512_mul_ps(_mm512_loadu_ps(context[g] + r * DIM + t), _mm512_set1_ps(rescale[r]));
+                    acc[r] = _mm512_mul_ps(_mm512_loadu_ps(context + r * DIM + t), _mm512_set1_ps(rescale[r]));
                 for (int64_t k = 0; k < count_keys; k++) {
                     const __m512 value = _mm512_loadu_ps(v + (k0 + k) * DIM + t);
                     for (int r = 0; r < 16; r++)
                         acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(weights[r * KEY_BLOCK + k]), value, acc[r]);
                 }
-                for (int r = 0; r < 16; r++) _mm512_storeu_ps(context[g] + r * DIM + t, acc[r]);
+                for (int r = 0; r < 16; r++) _mm512_storeu_ps(context + r * DIM + t, acc[r]);
             }
         }
     }
-    for (int64_t g = 0; g < count; g++) {
-        float *o = (float *)x->out + sequence * x->out_sequence + head * x->out_head + (a0 + g * QUERY_ROWS) * x->out_row;
-        for (int64_t r = 0; r < rows[g]; r++) {
-            const __m512 inverse = _mm512_set1_ps(total[g][r] > 0.0f ? 1.0f / total[g][r] : 0.0f);
-            for (int c = 0; c < DIM; c += 16)
-                _mm512_storeu_ps(o + r * x->out_row + c, _mm512_mul_ps(_mm512_loadu_ps(context[g] + r * DIM + c), inverse));
-        }
-    }
+    finish_group(&group, x, sequence, head, 0);
 }
 
 #endif
@@ -809,8 +828,8 @@ int attend(const AttendArgs *x, int64_t element_size, int64_t planes, int64_t ch
         /* the workspace: keys and values packed, U, its edges, T */
         char *workspace = (char *)x->workspace + omp_get_thread_num() * bytes;
         float *t = (float *)(workspace + packed_bytes(padded) + (padded * x->width + 16) * 4 + padded * 2 * 4);
-        /* the plane (or, in parts, the part) in the workspace: a part's U is made only where its rows read it, so
-           that parts of one plane on many threads do not each make all of it */
+        /* the item (a plane, or a part of one) in the workspace: a part's U is made only where its rows read it, so
+           that parts of one plane on many threads do not each make all of it, and a thread's next part packs again */
         int64_t packed = -1;
         Terms s;
 #pragma omp for schedule(static)
@@ -818,8 +837,8 @@ int attend(const AttendArgs *x, int64_t element_size, int64_t planes, int64_t ch
             const int64_t plane = item / chunks, sequence = plane / x->heads, head = plane % x->heads;
             const int64_t first = (item % chunks) * per_chunk, last = first + per_chunk < blocks ? first + per_chunk : blocks;
             if (first >= last) continue; /* a part past the last block */
-            const int64_t row_first = first * QUERY_ROWS, row_last = chunks > 1 && last < blocks ? last * QUERY_ROWS : x->length;
-            if ((chunks > 1 ? item : plane) != packed) {
+            const int64_t row_first = first * QUERY_ROWS, row_last = last < blocks ? last * QUERY_ROWS : x->length;
+            if (item != packed) {
                 s = (Terms){
                     .t = x->pos_key ? (const char *)t : NULL,
                     .u = x->pos_query ? workspace + packed_bytes(padded) : NULL,
@@ -835,7 +854,7 @@ int attend(const AttendArgs *x, int64_t element_size, int64_t planes, int64_t ch
                 else
 #endif
                     pack_plane_f32(x, sequence, head, row_first, row_last, workspace, &s);
-                packed = chunks > 1 ? item : plane;
+                packed = item;
             }
             for (int64_t block = first; block < last; block += ROW_GROUP) {
                 const int64_t count = last - block < ROW_GROUP ? last - block : ROW_GROUP;
