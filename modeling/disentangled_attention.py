@@ -142,8 +142,12 @@ class RelativePositions:
         column = self.column
         if column.numel() >= 16 and bool((column[15:] - column[:-15]).max() > 15):
             return None
-        column = column.to(torch.int32)
-        return column, (self.width - 1) - column.flip(0)
+        return self.int32_column, (self.width - 1) - self.int32_column.flip(0)
+
+    @cached_property
+    def int32_column(self) -> Tensor:
+        """`column` as int32, for the compiled kernels (`native.py`)."""
+        return self.column.to(torch.int32)
 
     def cut(self, length: int) -> RelativePositions:
         """The same tables read by a shorter input (one sequence of a packed batch)."""

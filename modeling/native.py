@@ -84,6 +84,27 @@ class _AttendArgs(ctypes.Structure):
     ]
 
 
+class _HankelArgs(ctypes.Structure):
+    _fields_ = [
+        ("scores", ctypes.c_void_p),
+        ("t", ctypes.c_void_p),
+        ("t_sequence", ctypes.c_int64),
+        ("t_head", ctypes.c_int64),
+        ("t_row", ctypes.c_int64),
+        ("u", ctypes.c_void_p),
+        ("u_sequence", ctypes.c_int64),
+        ("u_head", ctypes.c_int64),
+        ("u_row", ctypes.c_int64),
+        ("column", ctypes.c_void_p),
+        ("heads", ctypes.c_int64),
+        ("rows", ctypes.c_int64),
+        ("keys", ctypes.c_int64),
+        ("width", ctypes.c_int64),
+        ("tiled", ctypes.c_int64),
+        ("add_u", ctypes.c_int64),
+    ]
+
+
 _state: dict = {}
 _lock = threading.Lock()
 
@@ -146,6 +167,9 @@ def _build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
     loaded.position_bias.restype = ctypes.c_int
     loaded.attend.argtypes = [ctypes.POINTER(_AttendArgs), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     loaded.attend.restype = ctypes.c_int
+    for name in ("hankel_bias", "hankel_bias_backward"):
+        getattr(loaded, name).argtypes = [ctypes.POINTER(_HankelArgs), ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+        getattr(loaded, name).restype = ctypes.c_int
     loaded.workspace_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
     loaded.workspace_bytes.restype = ctypes.c_int64
     if not loaded.has_avx512():
@@ -225,6 +249,63 @@ def _bias_args(out, c2p, p2c, column, c2p_column, keep, first_row, first_key, he
         keys=keys,
         length=(column.shape[0] + 1) // 2,
     )
+
+
+def hankel_bias(out: Tensor, c2p: Tensor | None, p2c: Tensor | None, column: Tensor, tiled: bool) -> Tensor:
+    """CPU training's block bias with the keys in reverse order (`position_bias.c`, hankel_bias):
+    out [g, H, n, L] (contiguous, float32 or bfloat16) = c2p[..., a, column[a + b]] + p2c[..., b, column[a + b]].
+
+    c2p: [g, H, n, W], the block's rows against Kr; p2c: [g, H, L, W], the reversed keys against Qr; each in the
+    output's dtype with a contiguous last dimension; either may be None. column: int32, the table column of row a
+    and key b at a + b (from the block's first row on; at least n + L - 1 of them). `tiled`: 16 consecutive entries
+    of `column` ascend within 16 consecutive columns (`RelativePositions.kernel_columns` is not None), so that whole
+    16 x 16 tiles run with AVX-512; else element by element."""
+    return _hankel("hankel_bias", out, c2p, p2c, column, tiled, add_p2c=False)
+
+
+def hankel_bias_backward(
+    grad_scores: Tensor, grad_c2p: Tensor | None, grad_p2c: Tensor | None, column: Tensor, tiled: bool, add_p2c: bool
+) -> None:
+    """The gradient of `hankel_bias`: dS [g, H, n, L] (contiguous) summed into grad_c2p [g, H, n, W] (written) and
+    grad_p2c [g, H, L, W] (added to where `add_p2c`, else written), along the same columns."""
+    _hankel("hankel_bias_backward", grad_scores, grad_c2p, grad_p2c, column, tiled, add_p2c)
+
+
+def _hankel(name, scores: Tensor, c2p: Tensor | None, p2c: Tensor | None, column: Tensor, tiled: bool, add_p2c: bool):
+    groups, heads, rows, keys = scores.shape
+    tables = [table for table in (c2p, p2c) if table is not None]
+    if not scores.is_contiguous() or scores.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{name}: the scores must be contiguous float32 or bfloat16")
+    if any(table.dtype != scores.dtype or table.stride(-1) != 1 for table in tables):
+        raise ValueError(f"{name}: the tables must have the scores' dtype and a contiguous last dimension")
+    if column.dtype != torch.int32 or not column.is_contiguous() or column.numel() < rows + keys - 1:
+        raise ValueError(f"{name}: column must be int32, contiguous, with at least rows + keys - 1 entries")
+    args = _HankelArgs(
+        scores=scores.data_ptr(),
+        t=c2p.data_ptr() if c2p is not None else None,
+        t_sequence=c2p.stride(0) if c2p is not None else 0,
+        t_head=c2p.stride(1) if c2p is not None else 0,
+        t_row=c2p.stride(2) if c2p is not None else 0,
+        u=p2c.data_ptr() if p2c is not None else None,
+        u_sequence=p2c.stride(0) if p2c is not None else 0,
+        u_head=p2c.stride(1) if p2c is not None else 0,
+        u_row=p2c.stride(2) if p2c is not None else 0,
+        column=column.data_ptr(),
+        heads=heads,
+        rows=rows,
+        keys=keys,
+        width=tables[0].shape[-1] if tables else 0,
+        tiled=int(tiled),
+        add_u=int(add_p2c),
+    )
+    failed = getattr(_library(), name)(
+        ctypes.byref(args), scores.element_size(), groups * heads, torch.get_num_threads()
+    )
+    if failed == 2:
+        raise MemoryError(f"{name}: no memory for a band of 16 table rows")
+    if failed:
+        raise ValueError(f"{name}: neither table given")
+    return scores
 
 
 def attend_available(dtype: torch.dtype = torch.bfloat16) -> bool:

@@ -275,6 +275,228 @@ int position_bias(const BiasArgs *args, int64_t element_size, int64_t planes, in
     return 0;
 }
 
+/* ---- CPU training (sdpa_attention.BlockedAttention): the keys in reverse order ----
+
+   With key j' = L - 1 - j, the distance i - j is i + j' - (L - 1), so in a block whose rows start at i0 the table
+   column of row a and key b is column[i0 + a + b] (a Hankel matrix; `column` below starts at i0):
+
+       out[p, a, b]  = T[p, a, column[a + b]] + U[p, b, column[a + b]]       (hankel_bias)
+       dT[p, a, c]   = sum over the b with column[a + b] = c of dS[p, a, b]    (hankel_bias_backward, written)
+       dU[p, b, c]  += sum over the a with column[a + b] = c of dS[p, a, b]    (added: a group's blocks share U)
+
+   T is c2p of the block's rows (q Kr^T), U p2c of the reversed keys (k Qr^T); either may be NULL. Sums in float32,
+   rounded once to bfloat16 where the tensors are bfloat16: the gradients are summed 16 table rows at a time in a
+   float32 band, which is then written to (or added to) the table.
+
+   `tiled` (the columns of 16 consecutive distances lie within 16 consecutive table columns, as position_bias's
+   tiles need): whole 16 x 16 tiles run with AVX-512. In a tile the 16 columns of row a0 + r (keys b0 ..) and of
+   key b0 + r (rows a0 ..) are both column[a0 + b0 + r ..], so each row of T and each row of U is read with one
+   load of those columns, permuted (U's along the tile's columns, transposed in registers); the backward transposes
+   dS's tiles the same way for dU and adds each row's 16 values into its 16 columns of the band, summing those that
+   share a column first.
+   Loads and stores stop at the last column read, which may be a table row's last. Otherwise, and at the edges,
+   one element at a time; there any column vector works. */
+
+typedef struct {
+    void *scores;                       /* out, or dS: [sequences, heads, rows, keys], contiguous */
+    void *t;                            /* T (or dT) of plane 0; NULL without c2p */
+    int64_t t_sequence, t_head, t_row;  /* element strides */
+    void *u;                            /* U (or dU); NULL without p2c */
+    int64_t u_sequence, u_head, u_row;
+    const int32_t *column;              /* [rows + keys - 1]: the table column of row a and key b at a + b */
+    int64_t heads, rows, keys, width;
+    int64_t tiled;                      /* whole tiles with AVX-512 (see above) */
+    int64_t add_u;                      /* hankel_bias_backward: add to dU (else write it, zero where unread) */
+} HankelArgs;
+
+static inline void put(void *table, int64_t index, float value, const int bf16) {
+    if (bf16)
+        ((uint16_t *)table)[index] = to_bf16(value);
+    else
+        ((float *)table)[index] = value;
+}
+
+#ifdef HAVE_AVX512
+/* The lanes from columns[0] to columns[15]: what a tile's row reads or writes of a table row. */
+static inline __mmask16 span16(const int32_t *columns) {
+    return (__mmask16)((1u << (columns[15] - columns[0] + 1)) - 1u);
+}
+
+/* Like columns16, but loading only up to the last column named (a row's last may end the table). */
+static inline __m512 read16(const void *table, int64_t row, const int32_t *columns, const int bf16) {
+    const int32_t lowest = columns[0];
+    const __mmask16 span = span16(columns);
+    __m512 loaded;
+    if (bf16) {
+        const __m256i half = _mm256_maskz_loadu_epi16(span, (const uint16_t *)table + row + lowest);
+        loaded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    } else {
+        loaded = _mm512_maskz_loadu_ps(span, (const float *)table + row + lowest);
+    }
+    if (columns[15] - lowest == 15) return loaded;
+    const __m512i c = _mm512_loadu_si512((const void *)columns);
+    return _mm512_permutexvar_ps(_mm512_sub_epi32(c, _mm512_set1_epi32(lowest)), loaded);
+}
+
+/* band[row + columns[t]] += values[t] for t = 0 .. 15 (ascending columns, within 16 of the first), in float32:
+   values that share a column are summed first, then one masked add over the columns' span. */
+static inline void add16(float *band, int64_t row, const int32_t *columns, __m512 values) {
+    const int32_t lowest = columns[0];
+    const __mmask16 span = span16(columns);
+    if (columns[15] - lowest != 15) { /* some share a column: sum them into their column's lane */
+        float in[16], sums[16] = {0};
+        _mm512_storeu_ps(in, values);
+        for (int t = 0; t < 16; t++) sums[columns[t] - lowest] += in[t];
+        values = _mm512_loadu_ps(sums);
+    }
+    float *at = band + row + lowest;
+    _mm512_mask_storeu_ps(at, span, _mm512_add_ps(_mm512_maskz_loadu_ps(span, at), values));
+}
+#endif
+
+static inline __attribute__((always_inline)) void hankel_plane(const HankelArgs *x, int64_t plane, const int bf16,
+                                                              const int with_t, const int with_u) {
+    const int64_t size = bf16 ? 2 : 4, sequence = plane / x->heads, head = plane % x->heads;
+    const char *t = with_t ? (const char *)x->t + (sequence * x->t_sequence + head * x->t_head) * size : NULL;
+    const char *u = with_u ? (const char *)x->u + (sequence * x->u_sequence + head * x->u_head) * size : NULL;
+    char *out = (char *)x->scores + plane * x->rows * x->keys * size;
+    int64_t tiled_rows = 0, tiled_keys = 0;
+#ifdef HAVE_AVX512
+    if (x->tiled) {
+        tiled_rows = x->rows / 16 * 16;
+        tiled_keys = x->keys / 16 * 16;
+    }
+    for (int64_t a0 = 0; a0 < tiled_rows; a0 += 16) {
+        for (int64_t b0 = 0; b0 < tiled_keys; b0 += 16) {
+            const int32_t *column = x->column + a0 + b0;
+            __m512 m[16];
+            if (with_u) { /* key b0 + r over rows a0 .. a0 + 15 */
+                for (int r = 0; r < 16; r++) m[r] = read16(u, (b0 + r) * x->u_row, column + r, bf16);
+                transpose16(m);
+            }
+            for (int r = 0; r < 16; r++) { /* row a0 + r over keys b0 .. b0 + 15 */
+                if (with_t) {
+                    const __m512 c2p = read16(t, (a0 + r) * x->t_row, column + r, bf16);
+                    m[r] = with_u ? _mm512_add_ps(c2p, m[r]) : c2p;
+                }
+                store16(out, (a0 + r) * x->keys + b0, m[r], 0, bf16);
+            }
+        }
+    }
+#endif
+    for (int64_t a = 0; a < x->rows; a++) { /* what the tiles left */
+        const int32_t *column = x->column + a;
+        for (int64_t b = a < tiled_rows ? tiled_keys : 0; b < x->keys; b++) {
+            float sum = 0.0f;
+            if (with_t) sum = element(t, a * x->t_row + column[b], bf16);
+            if (with_u) sum += element(u, b * x->u_row + column[b], bf16);
+            put(out, a * x->keys + b, sum, bf16);
+        }
+    }
+}
+
+/* out = T + U along the Hankel columns, every plane on `threads` OpenMP threads; element_size 2 (bfloat16) or 4
+   (float32). Returns 1 for any other size or with neither table. */
+int hankel_bias(const HankelArgs *x, int64_t element_size, int64_t planes, int threads) {
+    const int t = x->t != NULL, u = x->u != NULL;
+    if ((element_size != 2 && element_size != 4) || !(t || u)) return 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t plane = 0; plane < planes; plane++) {
+        if (element_size == 2 && t && u) hankel_plane(x, plane, 1, 1, 1);
+        else if (element_size == 2 && t) hankel_plane(x, plane, 1, 1, 0);
+        else if (element_size == 2) hankel_plane(x, plane, 1, 0, 1);
+        else if (t && u) hankel_plane(x, plane, 0, 1, 1);
+        else if (t) hankel_plane(x, plane, 0, 1, 0);
+        else hankel_plane(x, plane, 0, 0, 1);
+    }
+    return 0;
+}
+
+/* A band's 16 float32 rows into the table's rows first .. first + count - 1: written, or added to, rounded once. */
+static void flush_band(const float *band, int64_t width, char *table, int64_t row_stride, int64_t first, int64_t count,
+                       const int add, const int bf16) {
+    for (int64_t r = 0; r < count; r++) {
+        char *row = table + (first + r) * row_stride * (bf16 ? 2 : 4);
+        for (int64_t c = 0; c < width; c++)
+            put(row, c, band[r * width + c] + (add ? element(row, c, bf16) : 0.0f), bf16);
+    }
+}
+
+/* One plane's gradients, a band of 16 table rows at a time, summed in float32 in `band` ([16, W]) and rounded once:
+   dT's rows a0 .. (a sweep over the keys), then dU's rows b0 .. (a sweep over the rows, dS transposed by tiles). */
+static inline __attribute__((always_inline)) void hankel_plane_backward(const HankelArgs *x, int64_t plane,
+                                                                       float *band, const int bf16) {
+    const int64_t size = bf16 ? 2 : 4, sequence = plane / x->heads, head = plane % x->heads, W = x->width;
+    char *t = x->t ? (char *)x->t + (sequence * x->t_sequence + head * x->t_head) * size : NULL;
+    char *u = x->u ? (char *)x->u + (sequence * x->u_sequence + head * x->u_head) * size : NULL;
+    const char *grad = (const char *)x->scores + plane * x->rows * x->keys * size;
+    const int64_t rows = x->rows, keys = x->keys;
+    int64_t tiled_rows = 0, tiled_keys = 0;
+#ifdef HAVE_AVX512
+    if (x->tiled) {
+        tiled_rows = rows / 16 * 16;
+        tiled_keys = keys / 16 * 16;
+    }
+#endif
+    for (int64_t a0 = 0; t && a0 < rows; a0 += 16) { /* dT[a, column[a + b]] += dS[a, b] */
+        const int64_t count = rows - a0 < 16 ? rows - a0 : 16;
+        memset(band, 0, 16 * W * sizeof(float));
+        int64_t from = 0;
+#ifdef HAVE_AVX512
+        if (a0 < tiled_rows) {
+            for (int64_t b0 = 0; b0 < tiled_keys; b0 += 16)
+                for (int r = 0; r < 16; r++)
+                    add16(band, r * W, x->column + a0 + b0 + r, load16(grad, (a0 + r) * keys + b0, bf16));
+            from = tiled_keys;
+        }
+#endif
+        for (int64_t r = 0; r < count; r++)
+            for (int64_t b = from; b < keys; b++)
+                band[r * W + x->column[a0 + r + b]] += element(grad, (a0 + r) * keys + b, bf16);
+        flush_band(band, W, t, x->t_row, a0, count, 0, bf16);
+    }
+    for (int64_t b0 = 0; u && b0 < keys; b0 += 16) { /* dU[b, column[a + b]] += dS[a, b] */
+        const int64_t count = keys - b0 < 16 ? keys - b0 : 16;
+        memset(band, 0, 16 * W * sizeof(float));
+        int64_t from = 0;
+#ifdef HAVE_AVX512
+        if (b0 < tiled_keys) {
+            for (int64_t a0 = 0; a0 < tiled_rows; a0 += 16) {
+                __m512 m[16];
+                for (int r = 0; r < 16; r++) m[r] = load16(grad, (a0 + r) * keys + b0, bf16);
+                transpose16(m); /* key b0 + r over rows a0 .. a0 + 15 */
+                for (int r = 0; r < 16; r++) add16(band, r * W, x->column + a0 + b0 + r, m[r]);
+            }
+            from = tiled_rows;
+        }
+#endif
+        for (int64_t a = from; a < rows; a++)
+            for (int64_t k = 0; k < count; k++)
+                band[k * W + x->column[a + b0 + k]] += element(grad, a * keys + b0 + k, bf16);
+        flush_band(band, W, u, x->u_row, b0, count, (int)x->add_u, bf16);
+    }
+}
+
+/* dT (written) and dU (added, or written with add_u 0) from dS, every plane on `threads` OpenMP threads. Returns 1
+   for an element size other than 2 or 4, or with neither table; 2 where a thread's band could not be allocated. */
+int hankel_bias_backward(const HankelArgs *x, int64_t element_size, int64_t planes, int threads) {
+    if ((element_size != 2 && element_size != 4) || !(x->t || x->u)) return 1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *band = malloc(16 * x->width * sizeof(float));
+        failed = band == NULL;
+#pragma omp for schedule(static)
+        for (int64_t plane = 0; plane < planes; plane++) {
+            if (band == NULL) continue;
+            if (element_size == 2) hankel_plane_backward(x, plane, band, 1);
+            else hankel_plane_backward(x, plane, band, 0);
+        }
+        free(band);
+    }
+    return failed ? 2 : 0;
+}
+
 /* ---- Attention with the position terms made inside the tile (bfloat16 on AMX; float32 below) ----
 
    attend() computes, for each (sequence, head) plane and query row i, over the keys j of [first_key, first_key + keys):

@@ -29,6 +29,8 @@ from .disentangled_attention import (
     p2c_by_row,
     position_table,
 )
+from .native import available as kernel_available
+from .native import hankel_bias, hankel_bias_backward
 from .validation import is_tracing
 from .workspace import _scratch
 
@@ -37,6 +39,9 @@ SDPA_BLOCK_ELEMENTS = 1 << 21
 # On an accelerator the block is bounded too, but large enough that a batch takes a few kernel launches, not
 # hundreds (256 MiB in float32).
 SDPA_BLOCK_ELEMENTS_ACCELERATOR = 1 << 26
+# CPU training makes each block's bias, and sums dS into the tables' gradients, with the compiled kernel
+# (`native.hankel_bias`) where it runs (float32 or bfloat16, `native.available()`); else with gather / scatter_add
+USE_TRAINING_KERNEL = True
 
 
 def sdpa_disentangled(
@@ -209,17 +214,23 @@ class BlockedAttention(torch.autograd.Function):
         context = query.new_empty(batch, length, heads, dim)
         # in the query's dtype: under autocast the relative rows may be float32
         kr, qr = (rows.to(query.dtype) if rows is not None else None for rows in (pos_key, pos_query))
-        group, p2c_rows = None, None
+        column, tiled = _kernel_column(positions, query)
+        group, p2c_keys = None, None
         with torch.autocast(query.device.type, enabled=False):  # the inputs already carry autocast's dtype
             scaled_query = query * scaling  # scaled before q . k, as in eager: q . k itself can overflow float16
             for sequences, first, last in tiles:
                 rows = slice(first, last)
-                if qr is not None and sequences != group:  # p2c of this group's reversed keys, read by table row
-                    p2c_rows = _position_rows(positions, "p2c", key[sequences], qr).mT
+                if qr is not None and sequences != group:  # p2c of this group's reversed keys: k_j' . Qr[r]
+                    p2c_keys = _position_rows(positions, "p2c", key[sequences], qr)
                     group = sequences
                 c2p_rows = _position_rows(positions, "c2p", query[sequences, :, rows], kr) if kr is not None else None
                 group_heads = (sequences.stop - sequences.start, heads)
-                scores = _block_bias(positions, c2p_rows, p2c_rows, None, first, last, group_heads)  # c2p + p2c
+                if column is not None:  # c2p + p2c by the kernel
+                    scores = query.new_empty(*group_heads, last - first, length)
+                    hankel_bias(scores, c2p_rows, p2c_keys, column[first:], tiled)
+                else:  # p2c read by table row
+                    p2c_rows = p2c_keys.mT if p2c_keys is not None else None
+                    scores = _block_bias(positions, c2p_rows, p2c_rows, None, first, last, group_heads)
                 scores.view(-1, *scores.shape[-2:]).baddbmm_(  # + c2c: q_i . k_j (the bias is fresh, contiguous)
                     _by_batch_head(scaled_query[sequences, :, rows]), _by_batch_head(key[sequences]).mT
                 )
@@ -256,14 +267,18 @@ class BlockedAttention(torch.autograd.Function):
         # contiguous (the rows are a permuted view of the projection): a product into it runs as one batched call
         grad_kr, grad_qr = (rows.new_zeros(rows.shape) if rows is not None else None for rows in (kr, qr))
         delta = (grad_context * context).sum(-1).transpose(1, 2)  # [B, H, L]: rowsum(dO * O) = rowsum(P * dP)
+        column, tiled = _kernel_column(positions, query)
         group = grad_p2c = None
+        first_of_group = True  # the kernel writes a group's p2c gradient at its first block, and adds to it after
         for (sequences, first, last), block_probs, block_keep in zip(tiles, probs, keeps):
             rows = slice(first, last)
             if qr is not None and sequences != group:  # the p2c table's gradient, one group of sequences at a time
                 if group is not None:
                     _position_rows_backward(grad_p2c, key[group], qr, grad_key[group], grad_qr)
-                grad_p2c = _position_rows(positions, "p2c", key[sequences], qr, zeroed=True)
-                group = sequences
+                grad_p2c = _position_rows(
+                    positions, "p2c", key[sequences], qr, fill="zeros" if column is None else None
+                )
+                group, first_of_group = sequences, True
             grad_out = grad_context[sequences, rows].transpose(1, 2)  # dO [g, H, n, D]
             dropped = block_probs  # what multiplied v, but for 1 / (1 - p)
             if block_keep is not None:
@@ -277,13 +292,19 @@ class BlockedAttention(torch.autograd.Function):
             block_query = query[sequences, :, rows]
             grad_query[sequences, :, rows] = (grad_scores @ key[sequences]) * scaling
             grad_key[sequences].add_(grad_scores.mT @ block_query, alpha=scaling)
-            index = positions.hankel(first, last - first, positions.length).expand_as(grad_scores)
-            if kr is not None:  # c2p[i, column[i + j']] received dS[i, j'], and passes it on to q_i and Kr
-                grad_c2p = _position_rows(positions, "c2p", block_query, kr, zeroed=True)
-                grad_c2p.scatter_add_(-1, index, grad_scores)
+            # c2p[i, column[i + j']] and p2c[j', column[i + j']] received dS[i, j']
+            grad_c2p = _position_rows(positions, "c2p", block_query, kr, fill=None) if kr is not None else None
+            if column is not None:  # by the kernel: dS summed into grad_c2p (written) and grad_p2c (added to)
+                hankel_bias_backward(grad_scores, grad_c2p, grad_p2c, column[first:], tiled, not first_of_group)
+                first_of_group = False
+            else:
+                index = positions.hankel(first, last - first, positions.length).expand_as(grad_scores)
+                if grad_c2p is not None:
+                    grad_c2p.zero_().scatter_add_(-1, index, grad_scores)
+                if grad_p2c is not None:
+                    grad_p2c.mT.scatter_add_(-2, index, grad_scores)
+            if grad_c2p is not None:  # c2p passes its gradient on to q_i and Kr
                 _position_rows_backward(grad_c2p, block_query, kr, grad_query[sequences, :, rows], grad_kr)
-            if qr is not None:  # p2c[j', column[i + j']] received dS[i, j']
-                grad_p2c.mT.scatter_add_(-2, index, grad_scores)
         if group is not None:
             _position_rows_backward(grad_p2c, key[group], qr, grad_key[group], grad_qr)
         grad_pos_key, grad_pos_query = (
@@ -292,16 +313,27 @@ class BlockedAttention(torch.autograd.Function):
         return grad_query, grad_key, grad_value, grad_pos_key, grad_pos_query, None, None, None, None, None
 
 
-def _position_rows(positions: RelativePositions, kind: str, content: Tensor, relative: Tensor, zeroed=False) -> Tensor:
+def _position_rows(
+    positions: RelativePositions, kind: str, content: Tensor, relative: Tensor, fill: str | None = "product"
+) -> Tensor:
     """content [g, H, n, D] against relative rows [H, W, D]: the table [g, H, n, W] in the workspace's `kind` buffer
-    (laid out [H, g, n, W]: one product per head), or, `zeroed`, a zeroed buffer of that shape for its gradient."""
+    (laid out [H, g, n, W]: one product per head); with `fill` "zeros" or None, a zeroed or an unwritten buffer of
+    that shape, for its gradient."""
     groups, heads, count, _ = content.shape
     table = _scratch(positions, kind, (heads, groups * count, relative.shape[-2]), content)
-    if zeroed:
+    if fill == "zeros":
         table.zero_()
-    else:
+    elif fill == "product":
         _by_head(content, relative, out=table)
     return table.view(heads, groups, count, -1).transpose(0, 1)
+
+
+def _kernel_column(positions: RelativePositions, query: Tensor) -> tuple[Tensor | None, bool]:
+    """The int32 column vector for `hankel_bias`, where CPU training's kernel runs (else None), and whether its
+    tiles can run (`RelativePositions.kernel_columns`)."""
+    if not USE_TRAINING_KERNEL or query.dtype not in (torch.float32, torch.bfloat16) or not kernel_available():
+        return None, False
+    return positions.int32_column, positions.kernel_columns is not None
 
 
 def _position_rows_backward(

@@ -527,18 +527,36 @@ def test_blocked_attention_gradients_with_dropout(block_elements):
     assert torch.autograd.gradcheck(attention, tuple(tensors), eps=1e-6, atol=1e-5)
 
 
-def test_blocked_attention_matches_the_dense_formula():
-    """Forward and gradients against the dense formula, without dropout, and with the same dropout mask."""
-    *tensors, keep, positions = blocked_attention_inputs(torch.float32, length=20)
+def training_kernel(monkeypatch, kernel: bool) -> list:
+    """CPU training with (or without) its compiled kernel; the list its calls are counted in."""
+    if kernel and not native.available():
+        pytest.skip(f"the kernel does not run here: {native.why_unavailable()}")
+    monkeypatch.setattr(sdpa_attention, "USE_TRAINING_KERNEL", kernel)
+    calls = []
+    for name in ("hankel_bias", "hankel_bias_backward"):
+        function = getattr(sdpa_attention, name)
+        monkeypatch.setattr(sdpa_attention, name, lambda *args, f=function, n=name: calls.append(n) or f(*args))
+    return calls
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["pytorch", "kernel"])
+@pytest.mark.parametrize("length", [20, 40])  # blocks of 7 rows; of 20 rows, whole 16 x 16 tiles and ragged edges
+def test_blocked_attention_matches_the_dense_formula(monkeypatch, kernel, length):
+    """Forward and gradients against the dense formula, without dropout, and with the same dropout mask; with the
+    compiled kernel making each block's bias and its tables' gradients, and with gather / scatter_add."""
+    calls = training_kernel(monkeypatch, kernel)
+    *tensors, keep, positions = blocked_attention_inputs(torch.float32, length=length)
+    block_elements = 2 * 3 * length * (7 if length == 20 else 20)
     for dropout in (0.0, 0.2):
         torch.manual_seed(3)
-        actual = sdpa_attention.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, 2 * 3 * 20 * 7)
+        actual = sdpa_attention.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, block_elements)
         dropout_keep = None
         if dropout:  # the same draws: one mask over the whole [B, H, L, L] when one block holds it all
             torch.manual_seed(3)
-            dropout_keep = sdpa_attention.dropout_keep_mask((2, 3, 20, 20), dropout, "cpu")
+            dropout_keep = sdpa_attention.dropout_keep_mask((2, 3, length, length), dropout, "cpu")
             torch.manual_seed(3)
-            actual = sdpa_attention.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, None)
+            whole = 2 * 3 * length * length
+            actual = sdpa_attention.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, whole)
         expected = reference_attention(*tensors, keep, positions, 0.3, dropout_keep, dropout)
         weights = torch.randn_like(expected)
         actual_grads = torch.autograd.grad((actual * weights).sum(), tensors)
@@ -546,6 +564,7 @@ def test_blocked_attention_matches_the_dense_formula():
         assert (actual - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
         for name, got, want in zip(("query", "key", "value", "Kr", "Qr"), actual_grads, expected_grads):
             assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item()), name
+    assert {"hankel_bias", "hankel_bias_backward"} == set(calls) if kernel else not calls
 
 
 @pytest.mark.parametrize("dropout", [0.1, 0.5, 0.9])
@@ -581,8 +600,11 @@ def test_model_dropout_on_the_cpu_drops_p_and_rescales_the_rest():
     assert torch.equal(dropout.eval()(hidden), hidden)
 
 
-def test_blocked_attention_in_bfloat16_with_dropout():
-    """bfloat16 in, bfloat16 gradients out, close to float32 with the same dropout mask (a model cast to bf16)."""
+@pytest.mark.parametrize("kernel", [False, True], ids=["pytorch", "kernel"])
+def test_blocked_attention_in_bfloat16_with_dropout(monkeypatch, kernel):
+    """bfloat16 in, bfloat16 gradients out, close to float32 with the same dropout mask (a model cast to bf16),
+    with and without the compiled kernel."""
+    calls = training_kernel(monkeypatch, kernel)
     *tensors, keep, positions = blocked_attention_inputs(torch.float32, length=20)
     low = [t.detach().bfloat16().requires_grad_() for t in tensors]
     results = []
@@ -596,3 +618,4 @@ def test_blocked_attention_in_bfloat16_with_dropout():
     assert (low_context.float() - context).abs().max() <= 6e-2 * max(1.0, context.abs().max().item())
     for got, want in zip(low_grads, grads):
         assert (got.float() - want).abs().max() <= 6e-2 * max(1.0, want.abs().max().item())
+    assert bool(calls) == kernel

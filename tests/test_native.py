@@ -201,6 +201,148 @@ def test_buckets_that_step_by_two_columns_take_the_pytorch_path(monkeypatch):
     assert max_abs_diff(actual, expected, batch["attention_mask"]) <= 1e-5 * max(1.0, expected.abs().max().item())
 
 
+# CPU training's kernels (`native.hankel_bias`, `native.hankel_bias_backward`): the keys reversed, a block of rows
+HANKEL_POSITIONS = POSITIONS | {"steps-by-two": (300, 256, 256, 300)}  # 16 distances over more than 16 columns
+
+
+def hankel_tables(setting, dtype, rows, seed=0):
+    """Block tables as BlockedAttention holds them: c2p [g, H, n, W] and p2c [g, H, L, W], each a view of an
+    [H, g * rows, W] buffer."""
+    length, span, buckets, max_position = HANKEL_POSITIONS[setting]
+    positions = RelativePositions.build(length, span if buckets <= 0 else buckets, buckets, max_position, "cpu")
+    generator = torch.Generator().manual_seed(seed)
+    batch, heads, width = 2, 3, positions.width
+
+    def table(count):
+        flat = torch.randn(heads, batch * count, width, generator=generator).to(dtype)
+        return flat.view(heads, batch, count, width).transpose(0, 1)
+
+    return positions, table(rows), table(length)
+
+
+def hankel_reference(positions, c2p, p2c, first, rows, grad=None):
+    """The formula with PyTorch's gather and scatter_add along the Hankel index column[first + a + b], in float32:
+    the bias, or, given dS, the two tables' gradients."""
+    length = positions.length
+    index = positions.hankel(first, rows, length).expand(*(c2p if c2p is not None else p2c).shape[:2], rows, length)
+    if grad is None:
+        bias = torch.zeros(index.shape)
+        if c2p is not None:
+            bias += c2p.float().gather(-1, index)
+        if p2c is not None:
+            bias += p2c.float().mT.gather(-2, index)
+        return bias
+    grad_c2p = torch.zeros(c2p.shape).scatter_add_(-1, index, grad.float()) if c2p is not None else None
+    grad_p2c = torch.zeros(p2c.shape).mT.scatter_add_(-2, index, grad.float()).mT if p2c is not None else None
+    return grad_c2p, grad_p2c
+
+
+@needs_kernel
+@pytest.mark.parametrize("terms", ["both", "c2p", "p2c"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("setting", list(HANKEL_POSITIONS))
+def test_training_kernels_match_gather_and_scatter_add(setting, dtype, terms):
+    """The block bias bit for bit (summed in float32, rounded once), and dS summed into the tables: float32 within
+    1e-6 of the formula (other order of the sums), bfloat16 within PyTorch's own bfloat16 scatter_add error; in
+    whole tiles and element by element, ragged rows and keys, offset blocks; the c2p gradient written (NaN before),
+    the p2c one written at a group's first block and added to after."""
+    length = HANKEL_POSITIONS[setting][0]
+    for first, rows in [(0, 48), (7, 37), (length - 21, 21)]:
+        positions, c2p, p2c = hankel_tables(setting, dtype, rows)
+        c2p = c2p if terms in ("both", "c2p") else None
+        p2c = p2c if terms in ("both", "p2c") else None
+        column = positions.int32_column[first:]
+        grad = torch.randn(2, 3, rows, length, generator=torch.Generator().manual_seed(1)).to(dtype)
+        expected = hankel_reference(positions, c2p, p2c, first, rows)
+        want_c2p, want_p2c = hankel_reference(positions, c2p, p2c, first, rows, grad)
+        tilings = [False, True] if positions.kernel_columns is not None else [False]
+        for tiled in tilings:
+            out = torch.empty(2, 3, rows, length, dtype=dtype)
+            assert torch.equal(native.hankel_bias(out, c2p, p2c, column, tiled), expected.to(dtype)), (first, tiled)
+            got_c2p, got_p2c = (
+                table.clone().fill_(float("nan")) if table is not None else None for table in (c2p, p2c)
+            )
+            native.hankel_bias_backward(grad, got_c2p, got_p2c, column, tiled, add_p2c=False)
+            if got_p2c is not None:  # a second block of the group adds to p2c's gradient
+                native.hankel_bias_backward(grad, None, got_p2c, column, tiled, add_p2c=True)
+            index = positions.hankel(first, rows, length).expand_as(grad)
+            for got, want, dim, calls in [(got_c2p, want_c2p, -1, 1), (got_p2c, want_p2c, -2, 2)]:
+                if got is None:
+                    continue
+                want = calls * want
+                tolerance = 1e-6 * want.abs().max().item()
+                if dtype == torch.bfloat16:  # twice PyTorch's own error: scatter_add in bfloat16, call by call
+                    own = torch.zeros(want.shape, dtype=dtype)
+                    for _ in range(calls):
+                        (own if dim == -1 else own.mT).scatter_add_(dim, index, grad)
+                    tolerance = 2 * (own.float() - want).abs().max().item()
+                assert torch.isfinite(got).all(), (first, tiled)
+                assert (got.float() - want).abs().max().item() <= tolerance, (first, tiled, dim)
+
+
+def test_training_kernel_rejects_wrong_inputs():
+    """Bad arguments are a ValueError naming the problem, before the kernel reads anything."""
+    positions, c2p, p2c = hankel_tables("small-buckets", torch.float32, 16)
+    out = torch.empty(2, 3, 16, positions.length)
+    column = positions.int32_column
+    with pytest.raises(ValueError, match="int32"):
+        native.hankel_bias(out, c2p, p2c, positions.column, True)
+    with pytest.raises(ValueError, match="dtype"):
+        native.hankel_bias(out, c2p.bfloat16(), p2c, column, True)
+    with pytest.raises(ValueError, match="contiguous"):
+        native.hankel_bias(out.mT, c2p, p2c, column, True)
+    with pytest.raises(ValueError, match="rows \\+ keys - 1"):
+        native.hankel_bias(out, c2p, p2c, column[-10:], True)
+
+
+def parameter_gradients(built, batch) -> dict[str, torch.Tensor]:
+    built.zero_grad(set_to_none=True)
+    built(**batch).last_hidden_state[batch["attention_mask"].bool()].float().square().mean().backward()
+    return {name: parameter.grad for name, parameter in built.named_parameters() if parameter.grad is not None}
+
+
+@needs_kernel
+@pytest.mark.parametrize("variant", ["v3", "c2p-only", "p2c-only", "clipped", "steps-by-two"])
+def test_model_training_with_the_kernel_matches_eager_and_the_pytorch_path(monkeypatch, variant):
+    """A training step of the model on the CPU (blocks of 64 rows: whole tiles, ragged edges, a group's p2c gradient
+    over several blocks) with the kernel: float32 gradients against eager to 1e-4 and against gather / scatter_add
+    to 1e-5; bfloat16 (the model cast) within twice the PyTorch path's own error against float32. "steps-by-two"
+    runs the kernel element by element (its columns do not fit the tiles)."""
+    from disentangled.modeling import sdpa_attention
+
+    overrides = {
+        "v3": {},
+        "c2p-only": dict(pos_att_type="c2p"),
+        "p2c-only": dict(pos_att_type="p2c"),
+        "clipped": dict(position_buckets=-1, max_relative_positions=24),
+        "steps-by-two": dict(position_buckets=256, max_relative_positions=300),
+    }[variant]
+    reference = model(**overrides)
+    sdpa = copy.deepcopy(reference)
+    sdpa.set_attn_implementation("sdpa")
+    batch = padded_batch(100, [300, 211])
+    monkeypatch.setattr(sdpa_attention, "SDPA_BLOCK_ELEMENTS", 4 * 300 * 64)
+    calls = []
+    kernel = sdpa_attention.hankel_bias_backward
+    monkeypatch.setattr(sdpa_attention, "hankel_bias_backward", lambda *args: calls.append(args[4]) or kernel(*args))
+    expected = parameter_gradients(reference, batch)
+    actual = parameter_gradients(sdpa, batch)
+    assert calls and all(tiled == (variant != "steps-by-two") for tiled in calls)
+    monkeypatch.setattr(sdpa_attention, "USE_TRAINING_KERNEL", False)
+    pytorch = parameter_gradients(sdpa, batch)
+    for name, want in expected.items():  # (a gradient that is 0 in exact arithmetic is ~1e-10 here: the floor)
+        scale = max(want.abs().max().item(), 1e-5)
+        assert max_abs_diff(actual[name], want) <= 1e-4 * scale, name
+        assert max_abs_diff(actual[name], pytorch[name]) <= 1e-5 * scale, name
+    low = copy.deepcopy(sdpa).to(torch.bfloat16)
+    low_pytorch = parameter_gradients(low, batch)
+    monkeypatch.setattr(sdpa_attention, "USE_TRAINING_KERNEL", True)
+    low_kernel = parameter_gradients(low, batch)
+    for name, want in expected.items():
+        own = max_abs_diff(low_pytorch[name].float(), want)
+        assert max_abs_diff(low_kernel[name].float(), want) <= 2 * own + 1e-3 * want.abs().max().item(), name
+
+
 def fresh_state(monkeypatch, tmp_path, **environment):
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setenv("DISENTANGLED_CACHE", str(tmp_path / "cache"))
