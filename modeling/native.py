@@ -5,6 +5,8 @@ with the position terms made inside its tiles (bfloat16 on AMX, float32 with AVX
 where PyTorch's operators need a gather or a transposing copy, and an add (`cpu_inference._KernelTables`).
 `attend(...)` is the whole attention (`attend_available(dtype)`): T and U made in cache (on the AMX tiles in bfloat16),
 the bias added tile by tile, flash attention's online softmax; no bias is written (`cpu_inference._attend_fused`).
+`hankel_bias(...)` and `hankel_bias_backward(...)` are CPU training's: a block's bias with the keys in reverse order,
+and dS summed into the two tables' gradients (`sdpa_attention.BlockedAttention`).
 
 The C source ships with the package (not with the Hub bundle, which runs on PyTorch alone). On first use it is
 compiled with the system's C compiler (`cc -O3 -march=native -fopenmp -shared`, about a second) into a cache folder

@@ -6,7 +6,8 @@ accelerators, p2p) the keys go in reverse order (j' = L - 1 - j), so that i - j 
 block is a stride-(1, 1) view of the [2L - 1] column vector (a Hankel matrix) that the gathers read in order. CPU
 training, where SDPA would run its math path with a bias gradient, runs `BlockedAttention`: the same blocks, each
 making its own c2p table (and each group of sequences its p2c table), with a backward that scatters dS into those
-tables and from there into q, k, Kr and Qr.
+tables and from there into q, k, Kr and Qr; the bias and the scatter by the compiled kernel where it runs
+(`native.hankel_bias`).
 """
 
 from __future__ import annotations
@@ -202,8 +203,10 @@ class BlockedAttention(torch.autograd.Function):
     is added to the gathered position terms by the product itself (`baddbmm_`). The backward sends
     dS = P * (dP - rowsum(dO * O)) into the same two tables' buffers with `scatter_add_`, along the Hankel views the
     forward gathered with, and from there into q and Kr (for each block) and k and Qr (for each group), so no
-    other [B, H, L, L] tensor and no whole [B, H, L, W] table is made. The workspace is kept between calls (on the
-    forward's thread), so a step does not fault in fresh pages for tables that the last step also wrote.
+    other [B, H, L, L] tensor and no whole [B, H, L, W] table is made. Where the compiled kernel runs, it gathers
+    each block's bias and sums dS into the tables' gradients in one pass each (`native.hankel_bias`,
+    `hankel_bias_backward`; USE_TRAINING_KERNEL). The workspace is kept between calls (on the forward's thread), so
+    a step does not fault in fresh pages for tables that the last step also wrote.
     """
 
     @staticmethod

@@ -3,8 +3,9 @@
 Against the formula written here with PyTorch's gather: c2p[i, δ(i - j)] + p2c[j, δ(i - j)], summed in float32
 and rounded once, bit for bit, in float32 and bfloat16, over whole 16 x 16 tiles, ragged edges, tiles beyond the
 buckets' reach, log buckets, clipped distances, offsets and key masks. Then the model with the kernel against eager
-(outputs within the float32 tolerance, float32 gradients untouched: training never runs it), the fallbacks, and a
-failed build that leaves nothing behind.
+(outputs within the float32 tolerance). CPU training's kernels (the keys reversed: the bias, and dS summed into the
+tables' gradients) against gather / scatter_add, and a training step against eager (float32 gradients to 1e-4) and
+the PyTorch path. Then the fallbacks, and a failed build that leaves nothing behind.
 """
 
 from __future__ import annotations
