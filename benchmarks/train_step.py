@@ -4,6 +4,7 @@
     python -m benchmarks.train_step --cases 4x128 2x512 --threads 2 --no-eager --baseline c965533
     python -m benchmarks.train_step --cases 2x512 --threads 2 --no-eager --baseline c965533 --processes 5
     python -m benchmarks.train_step --cases 2x512 --threads 2 --no-eager --baseline c965533 --back-to-back
+    python -m benchmarks.train_step --cases 2x512 --threads 2 --no-eager --baseline c965533 --dtype bfloat16
 
 The models, weights and inputs of `benchmarks.run` (v3-base shape, dropout as in training, the last row padded to
 3/4), run interleaved (or, with `--back-to-back`, each model's steps one after another, as when one model trains
@@ -12,7 +13,7 @@ faults per step (first touches of freshly mapped memory, which glibc returns to 
 steps). With `--baseline REV`, the same sdpa model also runs with `sdpa_disentangled` as it was at git revision
 REV (that commit's `modeling/sdpa_attention.py`, loaded beside this one), so that a change to the training
 path is timed against what it replaced in the same process; its gradients are checked against the model's to 1e-4
-first.
+first (2e-2 in bfloat16). `--dtype bfloat16` runs each step under CPU autocast, as `benchmarks.run` does.
 `--processes N` runs the comparison in N fresh processes and prints each ratio's median over them with its range.
 """
 
@@ -34,10 +35,12 @@ from benchmarks.run import build_models, in_fresh_processes, inputs_for, print_r
 from disentangled.modeling import modeling_disentangled, sdpa_attention
 
 
-def gradients(model, inputs) -> dict[str, torch.Tensor]:
+def gradients(model, inputs, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model.zero_grad(set_to_none=True)
-    model(**inputs).last_hidden_state.square().mean().backward()
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        loss = model(**inputs).last_hidden_state.float().square().mean()
+    loss.backward()
     return {name: parameter.grad.clone() for name, parameter in model.named_parameters() if parameter.grad is not None}
 
 
@@ -56,11 +59,13 @@ def timings(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         steps[f"ours-sdpa at {args.baseline}"] = ours
     functions = modeling_disentangled.DISENTANGLED_ATTENTION_FUNCTIONS
 
+    dtype = getattr(torch, args.dtype)
+
     def step(name: str, inputs) -> tuple[float, int]:
         """Seconds of one step of `name`, and the minor page faults it took (first touches of fresh memory)."""
         functions["sdpa"] = baseline if name.startswith("ours-sdpa at") else sdpa_attention.sdpa_disentangled
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        seconds = time_once(steps[name], inputs, True)
+        seconds = time_once(steps[name], inputs, True, dtype)
         return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
     medians = {}
@@ -70,13 +75,15 @@ def timings(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             inputs = inputs_for(batch, length, padded=True)
             if baseline is not None:  # the same gradients (dropout off: its draws differ from one path to the other)
                 ours.eval()
-                expected = gradients(ours, inputs)
+                expected = gradients(ours, inputs, dtype)
                 functions["sdpa"] = baseline
-                actual = gradients(ours, inputs)
+                actual = gradients(ours, inputs, dtype)
                 functions["sdpa"] = sdpa_attention.sdpa_disentangled
                 ours.train()
+                tolerance = 1e-4 if dtype == torch.float32 else 2e-2
                 for name, grad in expected.items():
-                    if not torch.allclose(actual[name], grad, rtol=1e-4, atol=1e-4 * grad.abs().max().item()):
+                    scale = grad.abs().max().item()
+                    if not torch.allclose(actual[name], grad, rtol=tolerance, atol=tolerance * scale):
                         raise SystemExit(f"at {args.baseline}, the gradient of {name} differs at {case}")
             ours.release_workspace()  # what this case's steps keep, below
             runs = {name: [] for name in steps}  # (seconds, page faults) of each step
@@ -123,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--back-to-back", action="store_true", help="each model's steps one after another, not interleaved"
     )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16: CPU autocast")
     parser.add_argument("--child-results", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.processes < 1:
@@ -136,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         in_processes(args, argv if argv is not None else sys.argv[1:])
         return
     order = "back to back" if args.back_to_back else "interleaved"
-    print(f"{machine.describe()}; {args.layers} layers; median of {args.repeats} steps, {order}")
+    print(f"{machine.describe()}; {args.layers} layers; {args.dtype}; median of {args.repeats} steps, {order}")
     medians = timings(args)
     if args.child_results:
         args.child_results.write_text(json.dumps(medians))

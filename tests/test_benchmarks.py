@@ -312,10 +312,13 @@ def test_train_step_times_the_baseline_and_restores_the_sdpa_function(capsys):
     from benchmarks import train_step
     from disentangled.modeling import modeling_disentangled, sdpa_attention
 
-    train_step.main(["--cases", "2x48", "--layers", "1", "--repeats", "1", "--no-eager", "--baseline", "HEAD"])
-    printed = capsys.readouterr().out
-    rows = [line.split(" | ")[0] for line in printed.splitlines() if line.startswith("| ") and " ms |" in line]
-    assert rows == ["| ours-sdpa", "| transformers-deberta", "| bert-sdpa", "| ours-sdpa at HEAD"]
+    for dtype in ("float32", "bfloat16"):
+        arguments = ["--cases", "2x48", "--layers", "1", "--repeats", "1", "--no-eager", "--baseline", "HEAD"]
+        train_step.main([*arguments, "--dtype", dtype])
+        printed = capsys.readouterr().out
+        rows = [line.split(" | ")[0] for line in printed.splitlines() if line.startswith("| ") and " ms |" in line]
+        assert rows == ["| ours-sdpa", "| transformers-deberta", "| bert-sdpa", "| ours-sdpa at HEAD"]
+        assert f"; {dtype};" in printed
     assert re.search(r"Buffers ours-sdpa keeps between steps at 2x48: \d+ MiB", printed)
     assert "| page faults per step |" in printed
     assert modeling_disentangled.DISENTANGLED_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention.sdpa_disentangled
