@@ -431,12 +431,8 @@ static inline __attribute__((always_inline)) void hankel_plane_backward(const Ha
     char *u = x->u ? (char *)x->u + (sequence * x->u_sequence + head * x->u_head) * size : NULL;
     const char *grad = (const char *)x->scores + plane * x->rows * x->keys * size;
     const int64_t rows = x->rows, keys = x->keys;
-    int64_t tiled_rows = 0, tiled_keys = 0;
 #ifdef HAVE_AVX512
-    if (x->tiled) {
-        tiled_rows = rows / 16 * 16;
-        tiled_keys = keys / 16 * 16;
-    }
+    const int64_t tiled_rows = x->tiled ? rows / 16 * 16 : 0, tiled_keys = x->tiled ? keys / 16 * 16 : 0;
 #endif
     for (int64_t a0 = 0; t && a0 < rows; a0 += 16) { /* dT[a, column[a + b]] += dS[a, b] */
         const int64_t count = rows - a0 < 16 ? rows - a0 : 16;
