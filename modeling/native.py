@@ -229,16 +229,19 @@ def position_bias(
     return out
 
 
+def _table_fields(name: str, table: Tensor | None, strides: tuple[str, str, str]) -> dict:
+    """A table's address as the field `name` and its first three element strides as `name`_`stride` (None and 0s
+    without it)."""
+    fields = {name: table.data_ptr() if table is not None else None}
+    for dim, stride in enumerate(strides):
+        fields[f"{name}_{stride}"] = table.stride(dim) if table is not None else 0
+    return fields
+
+
 def _bias_args(out, c2p, p2c, column, c2p_column, keep, first_row, first_key, heads, rows, keys) -> _BiasArgs:
     return _BiasArgs(
-        c2p=c2p.data_ptr() if c2p is not None else None,
-        c2p_plane=c2p.stride(0) if c2p is not None else 0,
-        c2p_head=c2p.stride(1) if c2p is not None else 0,
-        c2p_row=c2p.stride(2) if c2p is not None else 0,
-        p2c=p2c.data_ptr() if p2c is not None else None,
-        p2c_plane=p2c.stride(0) if p2c is not None else 0,
-        p2c_head=p2c.stride(1) if p2c is not None else 0,
-        p2c_row=p2c.stride(2) if p2c is not None else 0,
+        **_table_fields("c2p", c2p, ("plane", "head", "row")),
+        **_table_fields("p2c", p2c, ("plane", "head", "row")),
         column=column.data_ptr(),
         c2p_column=c2p_column.data_ptr(),
         keep=keep.data_ptr() if keep is not None else None,
@@ -284,14 +287,8 @@ def _hankel(name, scores: Tensor, c2p: Tensor | None, p2c: Tensor | None, column
         raise ValueError(f"{name}: column must be int32, contiguous, with at least rows + keys - 1 entries")
     args = _HankelArgs(
         scores=scores.data_ptr(),
-        t=c2p.data_ptr() if c2p is not None else None,
-        t_sequence=c2p.stride(0) if c2p is not None else 0,
-        t_head=c2p.stride(1) if c2p is not None else 0,
-        t_row=c2p.stride(2) if c2p is not None else 0,
-        u=p2c.data_ptr() if p2c is not None else None,
-        u_sequence=p2c.stride(0) if p2c is not None else 0,
-        u_head=p2c.stride(1) if p2c is not None else 0,
-        u_row=p2c.stride(2) if p2c is not None else 0,
+        **_table_fields("t", c2p, STRIDES),
+        **_table_fields("u", p2c, STRIDES),
         column=column.data_ptr(),
         heads=heads,
         rows=rows,
