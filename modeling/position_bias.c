@@ -20,8 +20,9 @@
    loaded (libgomp.so.1 is found by its name), so that the kernel and PyTorch's operators never compete for
    cores.
 
-   Below position_bias(), attend() runs the whole attention with that tile code inside it (the bias never written):
-   on the AMX tiles in bfloat16, and with AVX-512 products in float32. */
+   Below position_bias(), hankel_bias() and hankel_bias_backward() make CPU training's bias, with the keys in reverse
+   order, and sum its gradient into the tables; then attend() runs the whole attention with the tile code inside it
+   (the bias never written): on the AMX tiles in bfloat16, and with AVX-512 products in float32. */
 
 #include <math.h>
 #include <stdint.h>
@@ -83,11 +84,26 @@ static inline __m512 load16(const void *table, int64_t index, int bf16) {
     return _mm512_loadu_ps((const float *)table + index);
 }
 
+/* The lanes from columns[0] to columns[15]: what a tile's row reads or writes of a table row. */
+static inline __mmask16 span16(const int32_t *columns) {
+    return (__mmask16)((1u << (columns[15] - columns[0] + 1)) - 1u);
+}
+
 /* The 16 table elements of a row (or key) that 16 ascending columns name: one load from the lowest, permuted
-   unless the columns are 16 consecutive ones. */
-static inline __m512 columns16(const void *table, int64_t row, const int32_t *columns, int bf16) {
+   unless the columns are 16 consecutive ones. The load takes 16 elements (the tables of position_bias and attend
+   have 15 spare after them), or, `to_last`, stops at the last column named (the training tables have none). */
+static inline __attribute__((always_inline)) __m512 columns16(const void *table, int64_t row, const int32_t *columns,
+                                                              int bf16, const int to_last) {
     const int32_t lowest = columns[0];
-    const __m512 loaded = load16(table, row + lowest, bf16);
+    __m512 loaded;
+    if (!to_last) {
+        loaded = load16(table, row + lowest, bf16);
+    } else if (bf16) {
+        const __m256i half = _mm256_maskz_loadu_epi16(span16(columns), (const uint16_t *)table + row + lowest);
+        loaded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    } else {
+        loaded = _mm512_maskz_loadu_ps(span16(columns), (const float *)table + row + lowest);
+    }
     if (columns[15] - lowest == 15) return loaded;
     const __m512i c = _mm512_loadu_si512((const void *)columns);
     return _mm512_permutexvar_ps(_mm512_sub_epi32(c, _mm512_set1_epi32(lowest)), loaded);
@@ -198,12 +214,13 @@ static inline __attribute__((always_inline)) void bias_tile(const Terms *s, int6
         return;
     }
     if (with_p2c) { /* key j0 + r over rows i0 .. i0 + 15: distances i - j ascending */
-        for (int r = 0; r < 16; r++) m[r] = columns16(s->u, (b0 + r) * s->u_row, forward + (i0 - (j0 + r) + L - 1), bf16);
+        for (int r = 0; r < 16; r++)
+            m[r] = columns16(s->u, (b0 + r) * s->u_row, forward + (i0 - (j0 + r) + L - 1), bf16, 0);
         transpose16(m);
     }
     for (int r = 0; r < 16; r++) { /* row i0 + r over keys j0 .. j0 + 15 */
         if (!with_c2p) continue;
-        const __m512 c2p = columns16(s->t, (a0 + r) * s->t_row, s->c2p_column + (L - 1 - (i0 + r) + j0), bf16);
+        const __m512 c2p = columns16(s->t, (a0 + r) * s->t_row, s->c2p_column + (L - 1 - (i0 + r) + j0), bf16, 0);
         m[r] = with_p2c ? _mm512_add_ps(c2p, m[r]) : c2p;
     }
 }
@@ -294,8 +311,8 @@ int position_bias(const BiasArgs *args, int64_t element_size, int64_t planes, in
    load of those columns, permuted (U's along the tile's columns, transposed in registers); the backward transposes
    dS's tiles the same way for dU and adds each row's 16 values into its 16 columns of the band, summing those that
    share a column first.
-   Loads and stores stop at the last column read, which may be a table row's last. Otherwise, and at the edges,
-   one element at a time; there any column vector works. */
+   Loads and stores stop at the last column read, which may be a table row's last (`to_last`). Otherwise, and at
+   the edges, one element at a time; there any column vector works. */
 
 typedef struct {
     void *scores;                       /* out, or dS: [sequences, heads, rows, keys], contiguous */
@@ -317,27 +334,6 @@ static inline void put(void *table, int64_t index, float value, const int bf16) 
 }
 
 #ifdef HAVE_AVX512
-/* The lanes from columns[0] to columns[15]: what a tile's row reads or writes of a table row. */
-static inline __mmask16 span16(const int32_t *columns) {
-    return (__mmask16)((1u << (columns[15] - columns[0] + 1)) - 1u);
-}
-
-/* Like columns16, but loading only up to the last column named (a row's last may end the table). */
-static inline __m512 read16(const void *table, int64_t row, const int32_t *columns, const int bf16) {
-    const int32_t lowest = columns[0];
-    const __mmask16 span = span16(columns);
-    __m512 loaded;
-    if (bf16) {
-        const __m256i half = _mm256_maskz_loadu_epi16(span, (const uint16_t *)table + row + lowest);
-        loaded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-    } else {
-        loaded = _mm512_maskz_loadu_ps(span, (const float *)table + row + lowest);
-    }
-    if (columns[15] - lowest == 15) return loaded;
-    const __m512i c = _mm512_loadu_si512((const void *)columns);
-    return _mm512_permutexvar_ps(_mm512_sub_epi32(c, _mm512_set1_epi32(lowest)), loaded);
-}
-
 /* band[row + columns[t]] += values[t] for t = 0 .. 15 (ascending columns, within 16 of the first), in float32:
    values that share a column are summed first, then one masked add over the columns' span. */
 static inline void add16(float *band, int64_t row, const int32_t *columns, __m512 values) {
@@ -371,12 +367,12 @@ static inline __attribute__((always_inline)) void hankel_plane(const HankelArgs 
             const int32_t *column = x->column + a0 + b0;
             __m512 m[16];
             if (with_u) { /* key b0 + r over rows a0 .. a0 + 15 */
-                for (int r = 0; r < 16; r++) m[r] = read16(u, (b0 + r) * x->u_row, column + r, bf16);
+                for (int r = 0; r < 16; r++) m[r] = columns16(u, (b0 + r) * x->u_row, column + r, bf16, 1);
                 transpose16(m);
             }
             for (int r = 0; r < 16; r++) { /* row a0 + r over keys b0 .. b0 + 15 */
                 if (with_t) {
-                    const __m512 c2p = read16(t, (a0 + r) * x->t_row, column + r, bf16);
+                    const __m512 c2p = columns16(t, (a0 + r) * x->t_row, column + r, bf16, 1);
                     m[r] = with_u ? _mm512_add_ps(c2p, m[r]) : c2p;
                 }
                 store16(out, (a0 + r) * x->keys + b0, m[r], 0, bf16);
@@ -422,54 +418,49 @@ static void flush_band(const float *band, int64_t width, char *table, int64_t ro
     }
 }
 
-/* One plane's gradients, a band of 16 table rows at a time, summed in float32 in `band` ([16, W]) and rounded once:
-   dT's rows a0 .. (a sweep over the keys), then dU's rows b0 .. (a sweep over the rows, dS transposed by tiles). */
+/* dS summed into `count` lines of a table (lines first .. of dT, or, `keys`, of dU) in the float32 `band` ([16, W]):
+   line l of the band reads dS along the other axis, s = 0 .. along - 1, at column[first + l + s]; whole tiles up to
+   `tiled` along it (dU's transposed in registers), then element by element. */
+static inline __attribute__((always_inline)) void sum_lines(const HankelArgs *x, const char *grad, float *band,
+                                                           int64_t first, int64_t count, int64_t along, int64_t tiled,
+                                                           const int keys, const int bf16) {
+    const int64_t W = x->width, line_stride = keys ? 1 : x->keys, along_stride = keys ? x->keys : 1;
+    memset(band, 0, 16 * W * sizeof(float));
+#ifdef HAVE_AVX512
+    for (int64_t s0 = 0; s0 < tiled; s0 += 16) {
+        __m512 m[16];
+        for (int r = 0; r < 16; r++) /* dS's row r of the tile: line r (dT) or position s0 + r along (dU) */
+            m[r] = keys ? load16(grad, (s0 + r) * x->keys + first, bf16) : load16(grad, (first + r) * x->keys + s0, bf16);
+        if (keys) transpose16(m);
+        for (int r = 0; r < 16; r++) add16(band, r * W, x->column + first + s0 + r, m[r]);
+    }
+#else
+    tiled = 0;
+#endif
+    for (int64_t l = 0; l < count; l++)
+        for (int64_t s = tiled; s < along; s++)
+            band[l * W + x->column[first + l + s]] += element(grad, (first + l) * line_stride + s * along_stride, bf16);
+}
+
+/* One plane's gradients, a band of 16 table rows at a time, summed in float32 and rounded once: dT's rows (a sweep
+   over the keys), then dU's rows (a sweep over the rows). */
 static inline __attribute__((always_inline)) void hankel_plane_backward(const HankelArgs *x, int64_t plane,
                                                                        float *band, const int bf16) {
-    const int64_t size = bf16 ? 2 : 4, sequence = plane / x->heads, head = plane % x->heads, W = x->width;
+    const int64_t size = bf16 ? 2 : 4, sequence = plane / x->heads, head = plane % x->heads;
     char *t = x->t ? (char *)x->t + (sequence * x->t_sequence + head * x->t_head) * size : NULL;
     char *u = x->u ? (char *)x->u + (sequence * x->u_sequence + head * x->u_head) * size : NULL;
     const char *grad = (const char *)x->scores + plane * x->rows * x->keys * size;
     const int64_t rows = x->rows, keys = x->keys;
-#ifdef HAVE_AVX512
     const int64_t tiled_rows = x->tiled ? rows / 16 * 16 : 0, tiled_keys = x->tiled ? keys / 16 * 16 : 0;
-#endif
     for (int64_t a0 = 0; t && a0 < rows; a0 += 16) { /* dT[a, column[a + b]] += dS[a, b] */
         const int64_t count = rows - a0 < 16 ? rows - a0 : 16;
-        memset(band, 0, 16 * W * sizeof(float));
-        int64_t from = 0;
-#ifdef HAVE_AVX512
-        if (a0 < tiled_rows) {
-            for (int64_t b0 = 0; b0 < tiled_keys; b0 += 16)
-                for (int r = 0; r < 16; r++)
-                    add16(band, r * W, x->column + a0 + b0 + r, load16(grad, (a0 + r) * keys + b0, bf16));
-            from = tiled_keys;
-        }
-#endif
-        for (int64_t r = 0; r < count; r++)
-            for (int64_t b = from; b < keys; b++)
-                band[r * W + x->column[a0 + r + b]] += element(grad, (a0 + r) * keys + b, bf16);
-        flush_band(band, W, t, x->t_row, a0, count, 0, bf16);
+        sum_lines(x, grad, band, a0, count, keys, a0 < tiled_rows ? tiled_keys : 0, 0, bf16);
+        flush_band(band, x->width, t, x->t_row, a0, count, 0, bf16);
     }
     for (int64_t b0 = 0; u && b0 < keys; b0 += 16) { /* dU[b, column[a + b]] += dS[a, b] */
         const int64_t count = keys - b0 < 16 ? keys - b0 : 16;
-        memset(band, 0, 16 * W * sizeof(float));
-        int64_t from = 0;
-#ifdef HAVE_AVX512
-        if (b0 < tiled_keys) {
-            for (int64_t a0 = 0; a0 < tiled_rows; a0 += 16) {
-                __m512 m[16];
-                for (int r = 0; r < 16; r++) m[r] = load16(grad, (a0 + r) * keys + b0, bf16);
-                transpose16(m); /* key b0 + r over rows a0 .. a0 + 15 */
-                for (int r = 0; r < 16; r++) add16(band, r * W, x->column + a0 + b0 + r, m[r]);
-            }
-            from = tiled_rows;
-        }
-#endif
-        for (int64_t a = from; a < rows; a++)
-            for (int64_t k = 0; k < count; k++)
-                band[k * W + x->column[a + b0 + k]] += element(grad, a * keys + b0 + k, bf16);
-        flush_band(band, W, u, x->u_row, b0, count, (int)x->add_u, bf16);
+        sum_lines(x, grad, band, b0, count, rows, b0 < tiled_keys ? tiled_rows : 0, 1, bf16);
+        flush_band(band, x->width, u, x->u_row, b0, count, (int)x->add_u, bf16);
     }
 }
 
