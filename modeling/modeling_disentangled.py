@@ -191,6 +191,21 @@ class DisentangledSelfAttention(nn.Module):
         """[..., L, H * D] -> [..., H, L, D]."""
         return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(-3, -2)
 
+    def project(self, hidden_states: Tensor, query_states: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """The content streams q, k, v: [B, H, L, D] each; queries from `query_states` where given."""
+        queries_from = hidden_states if query_states is None else query_states
+        return (
+            self.heads(self.query_proj(queries_from)),
+            self.heads(self.key_proj(hidden_states)),
+            self.heads(self.value_proj(hidden_states)),
+        )
+
+    def relative_projections(self) -> tuple[nn.Module | None, nn.Module | None]:
+        """The projections of the relative embeddings: key side (Kr, for c2p), query side (Qr, for p2c)."""
+        if self.share_att_key:
+            return self.key_proj, self.query_proj
+        return getattr(self, "pos_key_proj", None), getattr(self, "pos_query_proj", None)
+
     def position_projections(self, rel_embeddings: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """The relative rows projected by the key and query projections, scaled: [H, W, D] each.
 
@@ -198,8 +213,7 @@ class DisentangledSelfAttention(nn.Module):
         changes (see `weights_key`); the encoder hands the same `rel_embeddings` tensor while its own weights
         are unchanged, so that tensor's identity stands for them.
         """
-        key_proj = self.key_proj if self.share_att_key else getattr(self, "pos_key_proj", None)
-        query_proj = self.query_proj if self.share_att_key else getattr(self, "pos_query_proj", None)
+        key_proj, query_proj = self.relative_projections()
         cache_key = None
         if inference_cache_allowed(self):
             weights = [key_proj.weight, key_proj.bias] if key_proj is not None else []
@@ -236,9 +250,13 @@ class DisentangledSelfAttention(nn.Module):
             positions=positions,
         )
 
+    def attn_implementation(self) -> str:
+        """The implementation asked for: the model's (`config._attn_implementation`)."""
+        return self.config._attn_implementation or "eager"
+
     def backend(self, output_attentions: bool, query: Tensor) -> str:
         """The configured attention implementation, or the one that can serve this call (warned once)."""
-        implementation = self.config._attn_implementation or "eager"
+        implementation = self.attn_implementation()
         if output_attentions and implementation != "eager":
             warn_once(f"{implementation} attention returns no probabilities; output_attentions=True runs eager")
             return "eager"
@@ -268,10 +286,7 @@ class DisentangledSelfAttention(nn.Module):
         `hidden_states` is [1, total tokens, hidden] and each sequence attends only to itself. `query_states`
         (same shape as `hidden_states`) is a separate query stream, the Enhanced Mask Decoder's: queries (and so
         c2p) come from it, keys, values (and so p2c) from `hidden_states`."""
-        queries_from = hidden_states if query_states is None else query_states
-        query = self.heads(self.query_proj(queries_from))  # [B, H, L, D]
-        key = self.heads(self.key_proj(hidden_states))
-        value = self.heads(self.value_proj(hidden_states))
+        query, key, value = self.project(hidden_states, query_states)  # [B, H, L, D]
         position_scores = (
             self.position_scores(query, key, rel_embeddings, rel_index) if rel_embeddings is not None else None
         )

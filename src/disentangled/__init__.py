@@ -1,8 +1,10 @@
 """disentangled: DeBERTa's disentangled attention as a first-class Hugging Face Transformers architecture.
 
-`import disentangled` registers `DisentangledConfig` and every head with transformers' Auto classes.
+`import disentangled` registers `DisentangledConfig` and every head with transformers' Auto classes;
+`disentangled.accelerate(model)` and `disentangled.enable()` run our attention inside transformers' own DeBERTa models.
 """
 
+from .acceleration import accelerate, disable, enable
 from .configuration import DisentangledConfig
 from .explain import explain_attention, explain_texts
 from .modeling import (
@@ -33,6 +35,9 @@ __all__ = [
     "DisentangledForQuestionAnswering",
     "DisentangledForMultipleChoice",
     "register",
+    "accelerate",
+    "enable",
+    "disable",
     "explain_attention",
     "explain_texts",
     "quantize_dynamic",
