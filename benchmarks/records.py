@@ -55,14 +55,23 @@ def machine_fields() -> dict:
     }
 
 
-def append_record(benchmark: str, figures: dict, *, command: list[str] | None = None, folder: Path = RECORDS) -> dict:
-    """Append one record for `benchmark` (a file name stem such as "run" or "pretrain") and return it."""
+def append_record(
+    benchmark: str,
+    figures: dict,
+    *,
+    command: list[str] | None = None,
+    folder: Path = RECORDS,
+    commit: str | None = None,
+) -> dict:
+    """Append one record for `benchmark` (a file name stem such as "run" or "pretrain") and return it. `commit`
+    names the commit measured where the tree is not a git checkout (a copy on a device machine)."""
     if not benchmark.replace("_", "").replace("-", "").isalnum():
         raise ValueError(f"benchmark name {benchmark!r} must be letters, digits, '-' or '_' (it names a file)")
     record = {
         "benchmark": benchmark,
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **machine_fields(),
+        **({"commit": commit} if commit else {}),
         "command": " ".join(
             command if command is not None else ["python", "-m", f"benchmarks.{benchmark}"] + sys.argv[1:]
         ),

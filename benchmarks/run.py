@@ -2,7 +2,7 @@
 
     python -m benchmarks.run            # the full run behind README.md's Performance tables (about 25 min on 2 cores)
     python -m benchmarks.run --quick    # about a minute: small shapes, one repeat, no memory sweep
-    python -m benchmarks.run --device cuda --dtype bfloat16   # on a GPU (memory: allocated, capped per process)
+    python -m benchmarks.run --device cuda --dtype bfloat16   # on a GPU: the GPU cases, with the anchors
     python -m benchmarks.run --no-eager --layers 2 --cases train-4x128 train-2x512 --processes 5   # 5 processes
     python -m benchmarks.run --no-eager --layers 2 --no-memory --threads 2 --processes 3 --dtype bfloat16
 
@@ -21,6 +21,16 @@ with the number of processes at or under each (benchmarks/results/processes.json
 `--dtype bfloat16` casts the models for inference and runs training steps under CPU autocast (float32 weights).
 Every run appends one record to benchmarks/records/run.jsonl (processor and extensions, versions, commit, command,
 each process's times, the ratios and their targets), from which the manual's tables and figures are generated.
+
+On `--device cuda` the cases are the GPU ones (inference at 32x512, 8x2048, 1x8192, 1x16384, 1x32768 with the model
+cast to --dtype; training steps at 16x512 and 4x2048: float32 weights under autocast, AdamW step included), 12 layers,
+median of 10 calls after 2 warm-up calls. Beside ours-sdpa (our eager reference is left out there: it writes
+[B, H, L, L] tensors), BERT-sdpa and transformers' DeBERTa, the anchors FlashDeBERTa and disentangled-flash are timed
+interleaved with them when installed (`benchmarks/gpu_anchors.py`, the gpu-bench extra), built on transformers'
+DeBERTa's config and weights; one that is missing, refuses a shape or runs out of memory is left out of that case
+with its reason in the record. Each call's peak allocated memory above what was allocated before it (the loaded
+models and optimizer states) is recorded per model. `--budget-s` starts no new case once that many seconds have gone.
+The record adds the GPU's name, the torch, CUDA, Triton and transformers versions and the anchors' versions.
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ import torch
 import transformers
 
 import disentangled
-from benchmarks import machine
+from benchmarks import gpu_anchors, machine
 from benchmarks.records import RECORDS, append_record
 
 RESULTS = Path(__file__).parent / "results"
@@ -123,9 +133,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_once(model, inputs, training: bool, dtype: torch.dtype = torch.float32) -> float:
+def time_once(model, inputs, training: bool, dtype: torch.dtype = torch.float32, optimizer=None) -> float:
     """Seconds of one call: a forward in inference mode, or a training step (under autocast to `dtype` when that is
-    not float32; the model's weights are float32 then)."""
+    not float32; the model's weights are float32 then), with `optimizer`'s step when one is given."""
     device = inputs["input_ids"].device
     synchronize(device)
     start = time.perf_counter()
@@ -134,6 +144,8 @@ def time_once(model, inputs, training: bool, dtype: torch.dtype = torch.float32)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             loss = model(**inputs).last_hidden_state.float().square().mean()
         loss.backward()
+        if optimizer is not None:
+            optimizer.step()
     else:
         with torch.inference_mode():
             model(**inputs)
@@ -141,19 +153,72 @@ def time_once(model, inputs, training: bool, dtype: torch.dtype = torch.float32)
     return time.perf_counter() - start
 
 
+def measured_call(model, inputs, training: bool, dtype: torch.dtype, optimizer, peaks: dict, name: str) -> float:
+    """`time_once`, and on CUDA the call's peak allocated memory above what was allocated before it (the loaded
+    models, optimizer states and, in training, no gradients: they are dropped first) into `peaks[name]`, in GiB."""
+    device = inputs["input_ids"].device
+    if device.type != "cuda":
+        return time_once(model, inputs, training, dtype, optimizer)
+    if training:
+        model.zero_grad(set_to_none=True)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    seconds = time_once(model, inputs, training, dtype, optimizer)
+    peak = (torch.cuda.max_memory_allocated(device) - before) / 2**30
+    peaks[name] = max(peaks.get(name, 0.0), peak)
+    return seconds
+
+
+def may_fail(name: str) -> bool:
+    """Whether a model's error leaves it out of a case (transformers' DeBERTa out of memory, an anchor's refusal)
+    rather than stopping the run (ours and BERT must run every case)."""
+    return not (name.startswith("ours-") or name == "bert-sdpa")
+
+
 def timing_case(
-    models, batch: int, length: int, training: bool, repeats: int, warmup: int, device="cpu", dtype=torch.float32
+    models,
+    batch: int,
+    length: int,
+    training: bool,
+    repeats: int,
+    warmup: int,
+    device="cpu",
+    dtype=torch.float32,
+    optimizers: dict | None = None,
+    found: dict | None = None,
 ) -> dict[str, float]:
-    """Median seconds per call for every model, interleaved: warm-up calls, then `repeats` rounds of one call each."""
+    """Median seconds per call for every model, interleaved: warm-up calls, then `repeats` rounds of one call each.
+
+    `optimizers` (name -> optimizer) adds a step to each training call. `found`, when given, receives "peak_gib"
+    (name -> GiB, on CUDA) and "failed" (name -> why): a model other than ours and BERT that raises in its warm-up
+    is left out of the case (the others go on)."""
     inputs = inputs_for(batch, length, padded=True, device=device)
+    optimizers = dict(optimizers or {})
+    peaks, failed = {}, {}
+    models = dict(models)
     times = {name: [] for name in models}
     for _ in range(warmup):
-        for model in models.values():
-            time_once(model, inputs, training, dtype)
+        for name, model in list(models.items()):
+            try:
+                measured_call(model, inputs, training, dtype, optimizers.get(name), peaks, name)
+            except Exception as error:  # whatever an anchor raises is reported, not fatal
+                if not may_fail(name):
+                    raise
+                failed[name] = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+                print(f"{name} left out of {batch}x{length}: {failed[name]}", flush=True)
+                del models[name], times[name]
+                peaks.pop(name, None)
+                optimizers.pop(name, None)
+                gc.collect()
+                if torch.device(device).type == "cuda":
+                    torch.cuda.empty_cache()
+    peaks = {}  # the warm-up's peaks include compiling and autotuning
     for _ in range(repeats):
         for name, model in models.items():
-            times[name].append(time_once(model, inputs, training, dtype))
+            times[name].append(measured_call(model, inputs, training, dtype, optimizers.get(name), peaks, name))
         gc.collect()
+    if found is not None:
+        found.update(peak_gib=peaks, failed=failed)
     return {name: statistics.median(values) for name, values in times.items()}
 
 
@@ -223,9 +288,25 @@ def markdown_timing_table(rows: list[dict], names: list[str]) -> str:
     ]
     for row in rows:
         cells = [f"{row['times'][n]:.3f} s" if n in row["times"] else "-" for n in names]
-        ours, bert, theirs = row["times"]["ours-sdpa"], row["times"]["bert-sdpa"], row["times"]["transformers-deberta"]
-        lines.append(f"| {row['case']} | " + " | ".join(cells) + f" | {ours / bert:.2f} | {theirs / ours:.2f}x |")
+        ours, bert, theirs = (row["times"].get(n) for n in ("ours-sdpa", "bert-sdpa", "transformers-deberta"))
+        speedup = f"{theirs / ours:.2f}x" if theirs else "-"
+        lines.append(f"| {row['case']} | " + " | ".join(cells) + f" | {ours / bert:.2f} | {speedup} |")
     return "\n".join(lines)
+
+
+def markdown_gpu_table(rows: list[dict], names: list[str]) -> str:
+    """Milliseconds and peak GiB (above the loaded models) per model and case; why a model sat a case out."""
+    lines = ["| case | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for row in rows:
+        cells = []
+        for name in names:
+            if name in row["times"]:
+                cells.append(f"{row['times'][name] * 1000:.1f} ms, {row['peak_gib'].get(name, 0.0):.2f} GiB")
+            else:
+                cells.append("fails" if name in row["failed"] else "-")
+        lines.append(f"| {row['case']} | " + " | ".join(cells) + " |")
+    notes = [f"{row['case']}, {name}: {why}" for row in rows for name, why in row["failed"].items()]
+    return "\n".join(lines + ([""] + [f"- {note}" for note in notes] if notes else []))
 
 
 def markdown_memory_table(memory: dict[str, dict[int, dict]], lengths: list[int]) -> str:
@@ -284,9 +365,36 @@ BFLOAT16_AMX_TARGETS = {
 }
 
 
+# On an NVIDIA GPU in bfloat16 (issue 38): ours-sdpa / BERT-sdpa at most ...
+CUDA_BFLOAT16_TARGETS = {
+    ("infer", 32, 512): 2.5,
+    ("infer", 8, 2048): 2.5,
+    ("infer", 1, 8192): 2.5,
+    ("train", 16, 512): 1.6,
+}
+ANCHORS = ("flashdeberta", "disentangled-flash")
+# ... ours-sdpa faster than these, in the same run ...
+CUDA_BFLOAT16_FASTER_THAN = {
+    ("infer", 32, 512): ANCHORS,
+    ("infer", 8, 2048): ANCHORS,
+    ("infer", 1, 8192): ANCHORS,
+    ("infer", 1, 16384): ("flashdeberta",),
+    ("infer", 1, 32768): ("flashdeberta",),
+    ("train", 16, 512): (*ANCHORS, "transformers-deberta"),
+    ("train", 4, 2048): (*ANCHORS, "transformers-deberta"),
+}
+# ... and ours-sdpa's peak memory above the loaded models at most this many GiB
+CUDA_BFLOAT16_PEAK_GIB = {("infer", 1, 16384): 1.0}
+# (layers, batch, length): the GPU cases, 12 layers each
+GPU_INFERENCE_CASES = [(12, 32, 512), (12, 8, 2048), (12, 1, 8192), (12, 1, 16384), (12, 1, 32768)]
+GPU_TRAINING_CASES = [(12, 16, 512), (12, 4, 2048)]
+
+
 def targets_for(device: str, dtype: str) -> dict:
-    """The targets of a run: float32's on any CPU, and for bfloat16 where the CPU has no AMX; bfloat16's with AMX;
-    none on an accelerator or in float16."""
+    """The ours-sdpa / BERT-sdpa targets of a run: float32's on any CPU, and for bfloat16 where the CPU has no AMX;
+    bfloat16's with AMX; on CUDA, bfloat16's (issue 38); none in float16 or on CUDA in another dtype."""
+    if device.startswith("cuda"):
+        return CUDA_BFLOAT16_TARGETS if dtype == "bfloat16" else {}
     if device != "cpu" or dtype == "float16":
         return {}
     if dtype == "bfloat16" and "amx_bf16" in machine.processor()[1]:
@@ -294,32 +402,74 @@ def targets_for(device: str, dtype: str) -> dict:
     return TARGETS
 
 
-def ratio_summary(values: list[float]) -> dict:
+def gpu_targets_for(device: str, dtype: str) -> dict:
+    """Per (mode, batch, length), the other targets of a CUDA bfloat16 run: {"faster_than": [models ours-sdpa must
+    beat], "peak_gib_target": ours-sdpa's bound on its peak memory above the loaded models, or None}; empty
+    elsewhere."""
+    if not device.startswith("cuda") or dtype != "bfloat16":
+        return {}
+    return {
+        case: {
+            "faster_than": list(CUDA_BFLOAT16_FASTER_THAN.get(case, ())),
+            "peak_gib_target": CUDA_BFLOAT16_PEAK_GIB.get(case),
+        }
+        for case in {**CUDA_BFLOAT16_FASTER_THAN, **CUDA_BFLOAT16_PEAK_GIB}
+    }
+
+
+def ratio_summary(values: list[float]) -> dict | None:
+    """Median, lowest and highest of a ratio over processes; None where no process measured both models."""
+    if not values:
+        return None
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def ratios(times: list[dict], numerator: str, denominator: str) -> list[float]:
+    """`numerator` / `denominator` in each process that timed both."""
+    return [t[numerator] / t[denominator] for t in times if numerator in t and denominator in t]
+
+
+def software_versions() -> dict:
+    """The versions a GPU record names: torch, its CUDA, Triton, transformers and the anchors (None where absent)."""
+    versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__}
+    versions["triton"] = gpu_anchors.version("triton")
+    versions.update({name: gpu_anchors.version(name) for name in gpu_anchors.ANCHORS})
+    return versions
 
 
 def record_figures(args: argparse.Namespace, rows: list[dict], repeats: int, memory: dict | None = None) -> dict:
     """The figures of a `run` record: per case, each process's median times and the ratios' median and range.
-    `rows` is [{"case", "times": [one {model: seconds} per process]}] in case order."""
+    `rows` is [{"case", "times": [one {model: seconds} per process]}] in case order; on CUDA each row also holds
+    "peak_gib" (one {model: GiB} per process) and "failed" ({model: why}), and the figures name the GPU, the
+    versions, the other targets (`gpu_targets_for`) and each other model's time over ours-sdpa's."""
     targets = targets_for(args.device, args.dtype)
+    cuda = args.device.startswith("cuda")
+    gpu_targets = gpu_targets_for(args.device, args.dtype)
     cases = []
     for row in rows:
         mode, shape = row["case"].split()[:2]
         batch, length = (int(part) for part in shape.split("x"))
         times = row["times"]
-        cases.append(
-            {
-                "case": f"{mode} {shape}",
-                "mode": mode,
-                "batch": batch,
-                "length": length,
-                "layers": row["layers"],
-                "times": times,
-                "ours_over_bert": ratio_summary([t["ours-sdpa"] / t["bert-sdpa"] for t in times]),
-                "transformers_over_ours": ratio_summary([t["transformers-deberta"] / t["ours-sdpa"] for t in times]),
-                "target": targets.get((mode, batch, length)),
-            }
-        )
+        case = {
+            "case": f"{mode} {shape}",
+            "mode": mode,
+            "batch": batch,
+            "length": length,
+            "layers": row["layers"],
+            "times": times,
+            "ours_over_bert": ratio_summary(ratios(times, "ours-sdpa", "bert-sdpa")),
+            "transformers_over_ours": ratio_summary(ratios(times, "transformers-deberta", "ours-sdpa")),
+            "target": targets.get((mode, batch, length)),
+        }
+        if cuda:
+            others = sorted({name for t in times for name in t} - {"ours-sdpa", "bert-sdpa"})
+            case["over_ours"] = {name: ratio_summary(ratios(times, name, "ours-sdpa")) for name in others}
+            case["peak_gib"] = row.get("peak_gib", [])
+            case["failed"] = row.get("failed", {})
+            goals = gpu_targets.get((mode, batch, length), {})
+            case["faster_than"] = goals.get("faster_than", [])
+            case["peak_gib_target"] = goals.get("peak_gib_target")
+        cases.append(case)
     figures = {
         "device": args.device,
         "dtype": args.dtype,
@@ -328,6 +478,10 @@ def record_figures(args: argparse.Namespace, rows: list[dict], repeats: int, mem
         "processes": args.processes,
         "cases": cases,
     }
+    if cuda:
+        figures["gpu"] = torch.cuda.get_device_name(args.device) if torch.cuda.is_available() else args.device
+        figures["versions"] = software_versions()
+        figures["parity"] = args.parity
     if memory:
         figures["memory"] = {
             name: {str(length): result for length, result in by_length.items()} for name, by_length in memory.items()
@@ -369,6 +523,40 @@ def print_ratio_medians(runs: list[dict], references: tuple[str, str], case_labe
             print(f"| {name} | {' | '.join(cells)} |")
 
 
+def release_memory(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def time_case(
+    models: dict, anchors: list[str], batch: int, length: int, training: bool, repeats: int, args, dtype
+) -> dict:
+    """One case: `models` and each anchor built on their transformers' DeBERTa for it, interleaved. On the CPU
+    {"times"}; on CUDA also "peak_gib" per model and "failed" (why an anchor or transformers' DeBERTa sat it out),
+    with 2 warm-up calls and, for training, an AdamW step in each call."""
+    cuda = args.device.startswith("cuda")
+    models, failed = dict(models), {}
+    for anchor in anchors:
+        model, why = gpu_anchors.build_anchor(anchor, models["transformers-deberta"], training=training, length=length)
+        if model is None:
+            failed[anchor] = why
+            print(why, flush=True)
+        else:
+            models[anchor] = model
+    optimizers = None
+    if training and cuda:
+        optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-6) for name, model in models.items()}
+    found = {}
+    warmup = 2 if cuda else 1
+    times = timing_case(models, batch, length, training, repeats, warmup, args.device, dtype, optimizers, found)
+    del models, optimizers
+    release_memory(args.device)
+    if not cuda:
+        return {"times": times}
+    return {"times": times, "peak_gib": found["peak_gib"], "failed": {**failed, **found["failed"]}}
+
+
 def _only_report(folder: Path) -> dict:
     (written,) = folder.glob("*.json")
     return json.loads(written.read_text())
@@ -393,16 +581,16 @@ def in_processes(args: argparse.Namespace, argv: list[str]) -> None:
     ]
     for index, row in enumerate(reports[0]["inference"] + reports[0]["training"]):
         rows = [(report["inference"] + report["training"])[index]["times"] for report in reports]
-        ours = [times["ours-sdpa"] / times["bert-sdpa"] for times in rows]
-        theirs = [times["transformers-deberta"] / times["ours-sdpa"] for times in rows]
+        ours = ratios(rows, "ours-sdpa", "bert-sdpa")
+        theirs = ratios(rows, "transformers-deberta", "ours-sdpa")
         mode, shape = row["case"].split()[:2]
         batch, length = (int(part) for part in shape.split("x"))
         target = targets_for(args.device, args.dtype).get((mode, batch, length))
         met = f"{sum(ratio <= target for ratio in ours)} of {len(ours)}" if target else "-"
+        speedup = f"{statistics.median(theirs):.2f}x ({min(theirs):.2f}-{max(theirs):.2f})" if theirs else "-"
         lines.append(
             f"| {row['case']} | {statistics.median(ours):.2f} ({min(ours):.2f}-{max(ours):.2f}) "
-            f"| {statistics.median(theirs):.2f}x ({min(theirs):.2f}-{max(theirs):.2f}) "
-            f"| {f'{target:.2f}' if target else '-'} | {met} |"
+            f"| {speedup} | {f'{target:.2f}' if target else '-'} | {met} |"
         )
     markdown = "\n".join(lines)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -411,9 +599,17 @@ def in_processes(args: argparse.Namespace, argv: list[str]) -> None:
     if not args.no_record:
         rows = []
         for index, row in enumerate(reports[0]["inference"] + reports[0]["training"]):
-            times = [(report["inference"] + report["training"])[index]["times"] for report in reports]
-            rows.append({"case": row["case"], "layers": row["layers"], "times": times})
-        append_record("run", record_figures(args, rows, reports[0]["repeats"]), folder=args.records)
+            per_process = [(report["inference"] + report["training"])[index] for report in reports]
+            rows.append(
+                {
+                    "case": row["case"],
+                    "layers": row["layers"],
+                    "times": [one["times"] for one in per_process],
+                    "peak_gib": [one.get("peak_gib", {}) for one in per_process],
+                    "failed": {name: why for one in per_process for name, why in one.get("failed", {}).items()},
+                }
+            )
+        append_record("run", record_figures(args, rows, reports[0]["repeats"]), folder=args.records, commit=args.commit)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -437,7 +633,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cases", nargs="+", metavar="CASE", help="time only these: infer-8x128, train-2x512, ...")
     parser.add_argument("--processes", type=int, default=1, help="time in this many fresh processes (see above)")
     parser.add_argument("--no-record", action="store_true", help="append no record to benchmarks/records/run.jsonl")
-    parser.add_argument("--records", type=Path, default=RECORDS, help=argparse.SUPPRESS)  # the tests' own folder
+    parser.add_argument("--records", type=Path, default=RECORDS, help="the folder of run.jsonl (default: the repo's)")
+    parser.add_argument(
+        "--anchors",
+        nargs="*",
+        choices=list(gpu_anchors.ANCHORS),
+        default=None,
+        help="the anchors to time beside ours (default: both on CUDA, none on the CPU)",
+    )
+    parser.add_argument("--budget-s", type=float, default=None, help="start no case after this many seconds")
+    parser.add_argument("--commit", default=None, help="the commit measured, for a tree that is not a git checkout")
+    parser.add_argument("--parity", default=None, help=argparse.SUPPRESS)  # benchmarks.device_check's verdict
     args = parser.parse_args(argv)
     if args.processes < 1:
         raise SystemExit(f"--processes {args.processes}: give 1 or more")
@@ -455,10 +661,14 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     torch.manual_seed(0)
-    repeats = args.repeats or (1 if args.quick else 5)
+    started = time.monotonic()
+    cuda = args.device.startswith("cuda")
+    repeats = args.repeats or (1 if args.quick else 10 if cuda else 5)
     if args.quick:
         inference_cases = [(12, 8, 128), (12, 2, 512)]
         training_cases = [(12, 2, 128)]
+    elif cuda:
+        inference_cases, training_cases = GPU_INFERENCE_CASES, GPU_TRAINING_CASES
     else:
         inference_cases = [(12, 8, 128), (12, 4, 512), (12, 1, 2048), (2, 1, 4096)]
         training_cases = [(12, 4, 128), (12, 2, 512)]
@@ -473,39 +683,57 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--cases {' '.join(unknown)}: not among this run's cases ({', '.join(known)})")
         inference_cases = [case for case in inference_cases if case_name(False, *case[1:]) in args.cases]
         training_cases = [case for case in training_cases if case_name(True, *case[1:]) in args.cases]
+    anchors = args.anchors if args.anchors is not None else list(gpu_anchors.ANCHORS) if cuda else []
+    eager = not args.no_eager and not cuda  # on a GPU our eager reference's [B, H, L, L] tensors do not fit at 32k
     args.out.mkdir(parents=True, exist_ok=True)
     report = {
         "command": "python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]),
         "processor": machine.describe(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
         f" ({torch.get_num_threads()} threads), transformers {transformers.__version__}, {args.dtype}"
-        + (f", {torch.cuda.get_device_name(args.device)}" if args.device.startswith("cuda") else ""),
+        + (f", {torch.cuda.get_device_name(args.device)}" if cuda else ""),
         "repeats": repeats,
         "inference": [],
         "training": [],
         "memory": {},
+        "skipped": [],
     }
+    if cuda:
+        report["versions"] = software_versions()
+    name = (
+        "benchmark-quick" if args.quick else "memory" if args.no_timing else "timing" if args.no_memory else "benchmark"
+    )
     print(f"Processor: {report['processor']}", flush=True)
     with tempfile.TemporaryDirectory() as folder:
         folder = Path(folder)
         if not args.no_timing:
-            backends = ([] if args.no_eager else ["eager"]) + (["flex_attention"] if args.flex else []) + ["sdpa"]
+            backends = (["eager"] if eager else []) + (["flex_attention"] if args.flex else []) + ["sdpa"]
+            built = {}  # on CUDA the models of one (layers, mode) serve all its cases; on the CPU each case builds its own
             for training, cases in ((False, inference_cases), (True, training_cases)):
                 for layers, batch, length in cases:
-                    names = [f"ours-{b}" for b in backends if not (training and b == "flex_attention")]
-                    backends_here = [n.removeprefix("ours-") for n in names]
-                    models = build_models(layers, folder / f"l{layers}", backends_here, training, args.device, dtype)
-                    times = timing_case(models, batch, length, training, repeats, 1, args.device, dtype)
-                    row = {
-                        "case": f"{'train' if training else 'infer'} {batch}x{length} ({layers} layers)",
-                        "layers": layers,
-                        "times": times,
-                    }
+                    label = f"{'train' if training else 'infer'} {batch}x{length} ({layers} layers)"
+                    if args.budget_s is not None and time.monotonic() - started > args.budget_s:
+                        report["skipped"].append(label)
+                        print(f"{label}: not started, the {args.budget_s:g} s budget is spent", flush=True)
+                        continue
+                    if (layers, training) not in built:
+                        built.clear()
+                        release_memory(args.device)
+                        backends_here = [b for b in backends if not (training and b == "flex_attention")]
+                        built[layers, training] = build_models(
+                            layers, folder / f"l{layers}", backends_here, training, args.device, dtype
+                        )
+                    row = time_case(built[layers, training], anchors, batch, length, training, repeats, args, dtype)
+                    row = {"case": label, "layers": layers, **row}
                     report["training" if training else "inference"].append(row)
-                    print(row, flush=True)
-                    del models
+                    print(f"{label}: {row}  ({time.monotonic() - started:.0f} s since the start)", flush=True)
+                    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2))  # what a killed run keeps
+                    if not cuda:
+                        built.clear()
                     gc.collect()
-        if not args.quick and not args.no_memory:
+            built.clear()
+            release_memory(args.device)
+        if not args.quick and not args.no_memory and not (cuda and args.memory_models is None):
             model_names = args.memory_models or [
                 "ours-sdpa",
                 "ours-flex_attention",
@@ -513,11 +741,11 @@ def main(argv: list[str] | None = None) -> None:
                 "bert-sdpa",
             ]
             build_models(1, folder / "memory", [], False)  # the checkpoint folder the children load
-            for name in model_names:
-                report["memory"][name] = {}
+            for model_name in model_names:
+                report["memory"][model_name] = {}
                 for length in args.memory_lengths:
                     result = memory_case(
-                        name,
+                        model_name,
                         length,
                         args.memory_cap_gib,
                         folder / "memory",
@@ -525,22 +753,28 @@ def main(argv: list[str] | None = None) -> None:
                         args.device,
                         args.dtype,
                     )
-                    report["memory"][name][length] = result
-                    print(name, length, result, flush=True)
+                    report["memory"][model_name][length] = result
+                    print(model_name, length, result, flush=True)
                     if not result["ok"]:
                         break  # longer inputs fail too
     names = (
-        ([] if args.no_eager else ["ours-eager"])
+        (["ours-eager"] if eager else [])
         + (["ours-flex_attention"] if args.flex else [])
         + ["ours-sdpa", "transformers-deberta", "bert-sdpa"]
+        + anchors
     )
     text = [
         f"`{report['command']}` on {report['machine']}; median of {repeats} interleaved runs.",
         f"Processor: {report['processor']}",
         "",
     ]
-    if report["inference"] or report["training"]:
-        text += [markdown_timing_table(report["inference"] + report["training"], names), ""]
+    rows = report["inference"] + report["training"]
+    if rows:
+        text += [markdown_timing_table(rows, names), ""]
+    if rows and cuda:
+        text += ["Milliseconds per call and peak GiB above the loaded models:", "", markdown_gpu_table(rows, names), ""]
+    if report["skipped"]:
+        text += [f"Not started (budget of {args.budget_s:g} s spent): {', '.join(report['skipped'])}", ""]
     if report["memory"]:
         text += [
             f"Peak memory over the loaded model, 1 layer, batch 1, forward, cap {args.memory_cap_gib:g} GiB "
@@ -551,14 +785,17 @@ def main(argv: list[str] | None = None) -> None:
         ]
         plot(report["memory"], args.out / "memory.png")
     report["markdown"] = "\n".join(text)
-    name = (
-        "benchmark-quick" if args.quick else "memory" if args.no_timing else "timing" if args.no_memory else "benchmark"
-    )
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=2))
     print(report["markdown"])
-    if not args.no_record and (report["inference"] or report["training"] or report["memory"]):
-        rows = [{**row, "times": [row["times"]]} for row in report["inference"] + report["training"]]
-        append_record("run", record_figures(args, rows, repeats, report["memory"]), folder=args.records)
+    if not args.no_record and (rows or report["memory"]):
+        rows = [
+            {**row, "times": [row["times"]], **({"peak_gib": [row["peak_gib"]]} if "peak_gib" in row else {})}
+            for row in rows
+        ]
+        figures = record_figures(args, rows, repeats, report["memory"])
+        if report["skipped"]:
+            figures["not_started"] = report["skipped"]
+        append_record("run", figures, folder=args.records, commit=args.commit)
 
 
 if __name__ == "__main__":
