@@ -7,11 +7,12 @@ block is a stride-(1, 1) view of the [2L - 1] column vector (a Hankel matrix) th
 training, where SDPA would run its math path with a bias gradient, runs `BlockedAttention`: the same blocks, each
 making its own c2p table (and each group of sequences its p2c table), with a backward that scatters dS into those
 tables and from there into q, k, Kr and Qr; the bias and the scatter by the compiled kernel where it runs
-(`native.hankel_bias`).
+(`native.hankel_bias`). On CUDA the fused Triton kernel (`triton_attention.py`) serves the calls it can take.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from dataclasses import replace
@@ -32,6 +33,7 @@ from .disentangled_attention import (
 )
 from .native import available as kernel_available
 from .native import hankel_bias, hankel_bias_backward
+from .triton_attention import kernel_fallback_reason, triton_disentangled
 from .validation import is_tracing
 from .workspace import _scratch
 
@@ -43,6 +45,7 @@ SDPA_BLOCK_ELEMENTS_ACCELERATOR = 1 << 26
 # CPU training makes each block's bias, and sums dS into the tables' gradients, with the compiled kernel
 # (`native.hankel_bias`) where it runs (float32 or bfloat16, `native.available()`); else with gather / scatter_add
 USE_TRAINING_KERNEL = True
+logger = logging.getLogger(__name__)
 
 
 def sdpa_disentangled(
@@ -76,6 +79,11 @@ def sdpa_disentangled(
             context = context.clone(memory_format=torch.contiguous_format)
         return context, None
 
+    # CUDA: the fused Triton kernel (`triton_attention.py`) where it takes this call; else say why, and go on
+    reason = kernel_fallback_reason(query, key, value, attention_mask, position_scores)
+    if reason is None:
+        return triton_disentangled(module, query, key, value, attention_mask, scaling, dropout, position_scores)
+    logger.debug("sdpa_disentangled runs without the Triton kernel: %s", reason)
     tensors = (query, key, value, position_scores.pos_key, position_scores.pos_query)
     inference = not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
     if on_cpu and inference and dropout == 0 and position_scores.p2p is None:

@@ -1,0 +1,370 @@
+"""The fused Triton kernel (`modeling/triton_attention.py`) against the eager reference, on the CPU through Triton's
+interpreter: outputs and every gradient (q, k, v, Kr, Qr through the tables), masks, packed sequences, clipped and
+log-bucketed distances, each term alone, p2p, head sizes 32/64/128, bfloat16 and float16, dropout; and the dispatch
+from `sdpa_disentangled` (CUDA only, one debug line for each fallback).
+
+The interpreter must be on when triton is imported: triton.language's own jitted helpers (`tl.zeros`, `tl.rand`, ...)
+are built then, and in a suite something may import triton first. So the kernel tests (`in_interpreter`) run in a
+child pytest started with TRITON_INTERPRET=1 (`test_kernels_in_the_interpreter`, one process for all of them), or
+directly where this process was started so. Tiles are 16 x 16, so that 17, 24 and 40 tokens cover several and ragged
+tiles.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from parity import inflate_weights, max_abs_diff, padded_batch
+
+pytest.importorskip("triton")
+
+import disentangled  # noqa: E402
+from disentangled.modeling import sdpa_attention, triton_attention  # noqa: E402
+from disentangled.modeling.disentangled_attention import (  # noqa: E402
+    PositionScores,
+    RelativePositions,
+    eager_disentangled,
+    head_scaling,
+)
+
+TILES = {"forward": (16, 16, 1, 1), "backward": (16, 16, 1, 1)}
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # in this process from its start
+in_interpreter = pytest.mark.skipif(
+    not INTERPRETED, reason="runs in a process started with TRITON_INTERPRET=1 (test_kernels_in_the_interpreter)"
+)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the interpreter's process")
+def test_kernels_in_the_interpreter():
+    """Every test of this file in one child pytest whose triton is the interpreter's; its report on failure."""
+    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "not in_the_interpreter"]
+    environment = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        command, cwd=Path(__file__).parents[1], env=environment, capture_output=True, text=True, timeout=900
+    )
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:]
+    assert result.returncode == 0 and "skipped" not in summary, result.stdout[-8000:] + result.stderr[-2000:]
+
+
+class Case:
+    """Leaf inputs of one attention call: q, k, v ([B, L, H, D] leaves, used as [B, H, L, D] views, as the model's
+    heads are), the projected relative rows Kr and Qr ([H, W, D], scaled), a key mask, and the term switches."""
+
+    def __init__(
+        self,
+        batch=2,
+        heads=2,
+        length=17,
+        dim=32,
+        terms=("c2p", "p2c"),
+        buckets=(8, 0, 0),  # (span, bucket_size, max_position): bucket_size 0 clips distances at the span
+        mask=None,  # None, "padded" (the last row keeps half its keys), "empty" (the last row keeps none)
+        dtype=torch.float32,
+        seed=0,
+    ):
+        generator = torch.Generator().manual_seed(seed)
+        span, bucket_size, max_position = buckets
+        self.positions = RelativePositions.build(length, span, bucket_size, max_position, "cpu")
+        self.terms, self.dtype = terms, dtype
+        self.scaling = head_scaling(dim, 1 + len(terms))
+        width = self.positions.width
+
+        def leaf(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=generator) * scale).to(dtype).requires_grad_()
+
+        self.q, self.k, self.v = (leaf(batch, length, heads, dim) for _ in range(3))
+        self.pos_key, self.pos_query = (leaf(heads, width, dim, scale=self.scaling) for _ in range(2))
+        self.mask = None
+        if mask is not None:
+            self.mask = torch.ones(batch, 1, 1, length, dtype=torch.bool)
+            self.mask[-1, ..., length // 2 if mask == "padded" else 0 :] = False
+        self.grad_output = torch.randn(batch, length, heads, dim, generator=generator).to(dtype)
+
+    def leaves(self) -> tuple[torch.Tensor, ...]:
+        return self.q, self.k, self.v, self.pos_key, self.pos_query
+
+    def to(self, dtype) -> Case:
+        """The same inputs in another dtype (leaves of their own)."""
+        other = copy.copy(self)
+        for name in ("q", "k", "v", "pos_key", "pos_query"):
+            setattr(other, name, getattr(self, name).detach().to(dtype).requires_grad_())
+        other.grad_output, other.dtype = self.grad_output.to(dtype), dtype
+        return other
+
+    def position_scores(self) -> PositionScores | None:
+        if not self.terms:
+            return None
+        query, key = self.q.transpose(1, 2), self.k.transpose(1, 2)
+        p2p = None
+        if "p2p" in self.terms:  # as the model makes it: [H, 2L - 1] by distance, from both tables
+            column = self.positions.column
+            p2p = (self.pos_query[:, column] * self.pos_key[:, column.flip(0)]).sum(-1) / self.scaling
+        pos_key = self.pos_key if "c2p" in self.terms else None
+        pos_query = self.pos_query if "p2c" in self.terms else None
+        return PositionScores(query, key, pos_key, pos_query, p2p, self.positions)
+
+    def run(self, attend, **kwargs) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """The context [B, L, H, D] and the gradients of <context, grad_output> for each leaf."""
+        query, key, value = (t.transpose(1, 2) for t in (self.q, self.k, self.v))
+        context, _ = attend(
+            None, query, key, value, self.mask, self.scaling, position_scores=self.position_scores(), **kwargs
+        )
+        grads = torch.autograd.grad(context, self.leaves(), self.grad_output, allow_unused=True)
+        return context.detach(), list(grads)
+
+
+def kernel(**kwargs):
+    def attend(*args, **more):
+        return triton_attention.triton_disentangled(*args, blocks=TILES, **kwargs, **more)
+
+    return attend
+
+
+def dense_with_dropout(keep: torch.Tensor, dropout: float):
+    """The eager formula with a given dropout mask [B, H, L, L] (True = kept)."""
+
+    def attend(module, query, key, value, mask, scaling, position_scores=None):
+        scores = (query * scaling) @ key.mT + position_scores.bias()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        return ((probs * keep / (1 - dropout)) @ value).transpose(1, 2), None
+
+    return attend
+
+
+def assert_close(actual, expected, tolerance, what=""):
+    """|actual - expected| <= tolerance * max(1, max|expected|) (outputs) or tolerance * max|expected| (gradients)."""
+    scale = max(expected.abs().max().item(), 1e-6)
+    error = (actual.float() - expected.float()).abs().max().item()
+    assert error <= tolerance * scale, f"{what}: max error {error:.3g} at scale {scale:.3g}"
+
+
+def assert_matches(case: Case, expected, actual) -> None:
+    (expected_context, expected_grads), (context, grads) = expected, actual
+    assert_close(context, expected_context, 1e-5, "context")
+    for name, ours, reference in zip(("q", "k", "v", "Kr", "Qr"), grads, expected_grads):
+        assert (ours is None) == (reference is None), name
+        if reference is not None:
+            assert_close(ours, reference, 1e-4, f"d{name}")
+
+
+CASES = {  # name: Case arguments; with 16 x 16 tiles every length is ragged
+    "both-clipped-d32": dict(length=17, dim=32, buckets=(8, 0, 0)),
+    "both-log-buckets-padded-d64": dict(length=40, dim=64, buckets=(8, 8, 64), mask="padded"),
+    "c2p-only-log-buckets-d64": dict(length=24, dim=64, terms=("c2p",), buckets=(4, 4, 32)),
+    "p2c-only-padded-d128": dict(length=24, dim=128, terms=("p2c",), mask="padded"),
+    "unclipped-empty-row-d128": dict(length=17, dim=128, buckets=(32, 0, 0), mask="empty"),
+    "p2p-log-buckets-padded-d32": dict(
+        length=40, dim=32, terms=("c2p", "p2c", "p2p"), buckets=(8, 8, 64), mask="padded"
+    ),
+    "p2p-only-clipped-d32": dict(length=17, dim=32, terms=("p2p",), buckets=(4, 0, 0)),
+    "no-terms-padded-d64": dict(length=17, dim=64, terms=(), mask="padded"),
+}
+
+
+@in_interpreter
+@pytest.mark.parametrize("name", CASES)
+def test_matches_eager_in_float32(name):
+    case = Case(**CASES[name])
+    assert_matches(case, case.run(eager_disentangled), case.run(kernel()))
+
+
+@in_interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_within_twice_eager_error(dtype):
+    """Against float32 eager on the same (rounded) inputs, our error stays within twice eager's own in `dtype`."""
+    low = Case(length=40, dim=64, buckets=(8, 8, 64), mask="padded", dtype=dtype)
+    reference_context, reference_grads = low.to(torch.float32).run(eager_disentangled)
+    eager_context, eager_grads = low.run(eager_disentangled)
+    context, grads = low.run(kernel())
+    for name, ours, eager, reference in zip(
+        ("context", "q", "k", "v", "Kr", "Qr"),
+        (context, *grads),
+        (eager_context, *eager_grads),
+        (reference_context, *reference_grads),
+    ):
+        assert ours.dtype == dtype, name
+        our_error, eager_error = max_abs_diff(ours.float(), reference), max_abs_diff(eager.float(), reference)
+        assert our_error <= 2 * eager_error, f"{name}: {our_error:.3g} against eager's {eager_error:.3g}"
+
+
+@in_interpreter
+def test_dropout_statistics():
+    """The kept fraction is 1 - p, the decisions are the seed's, and the kept probabilities are scaled by 1 / (1 - p)."""
+    shape, dropout = (2, 2, 24, 24), 0.1
+    keep = triton_attention.dropout_keep_mask(shape, dropout, seed=7)
+    assert keep.shape == shape and keep.dtype == torch.bool
+    fraction, spread = keep.float().mean().item(), (dropout * (1 - dropout) / keep.numel()) ** 0.5
+    assert abs(fraction - (1 - dropout)) < 4 * spread
+    assert torch.equal(keep, triton_attention.dropout_keep_mask(shape, dropout, seed=7))
+    assert not torch.equal(keep, triton_attention.dropout_keep_mask(shape, dropout, seed=8))
+    assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0], keep[1, 0])  # per (b, h)
+
+    case = Case(length=24, dim=32)
+    query, key = case.q.transpose(1, 2), case.k.transpose(1, 2)
+    ones = torch.ones_like(query)  # values of ones: context = sum_j P_ij keep_ij / (1 - p) in every dimension
+    with torch.no_grad():
+        kept, _ = kernel(seed=7)(None, query, key, ones, None, case.scaling, dropout, case.position_scores())
+        whole, _ = kernel()(None, query, key, ones, None, case.scaling, 0.0, case.position_scores())
+    rows = kept[..., 0]  # [B, L, H]: each row's kept mass, rescaled; expectation 1
+    assert abs(rows.mean().item() - 1) < 0.05 and rows.std().item() > 0.01
+    assert torch.allclose(whole, torch.ones_like(whole), atol=1e-5)
+
+
+@in_interpreter
+@pytest.mark.parametrize("terms", [("c2p", "p2c"), ("c2p", "p2c", "p2p")])
+def test_dropout_with_fixed_seed_matches_reference(terms):
+    """With the kernel's own decisions applied densely, the reference gives the same outputs and gradients."""
+    case, dropout, seed = Case(length=24, dim=32, terms=terms, buckets=(8, 8, 64), mask="padded"), 0.1, 1234
+    keep = triton_attention.dropout_keep_mask((2, 2, 24, 24), dropout, seed)
+    expected = case.run(dense_with_dropout(keep, dropout))
+    assert_matches(case, expected, case.run(kernel(seed=seed), dropout=dropout))
+
+
+@in_interpreter
+def test_packed_sequences_through_cut():
+    """The model's packed loop: one call per sequence on `PositionScores.cut`, each with its own column vector."""
+    case, bounds = Case(batch=1, length=40, dim=32, terms=("c2p", "p2c", "p2p"), buckets=(8, 8, 64)), (0, 23, 40)
+
+    def per_sequence(attend):
+        def packed(module, query, key, value, mask, scaling, position_scores=None, **kwargs):
+            contexts = []
+            for first, last in zip(bounds[:-1], bounds[1:]):
+                tokens = slice(first, last)
+                context, _ = attend(
+                    module, query[:, :, tokens], key[:, :, tokens], value[:, :, tokens], None, scaling,
+                    position_scores=position_scores.cut(first, last), **kwargs,
+                )  # fmt: skip
+                contexts.append(context)
+            return torch.cat(contexts, dim=1), None
+
+        return packed
+
+    assert_matches(case, case.run(per_sequence(eager_disentangled)), case.run(per_sequence(kernel())))
+
+
+def facts(dim=64, dtype=torch.bfloat16, length=40, mask="keys", terms=True):
+    """q, k, v, mask and position scores on the meta device: shapes and dtypes, no data, no GPU."""
+    query = torch.empty(2, 4, length, dim, dtype=dtype, device="meta")
+    masks = {
+        None: None,
+        "keys": torch.empty(2, 1, 1, length, dtype=torch.bool, device="meta"),
+        "pairs": torch.empty(2, 1, length, length, dtype=torch.bool, device="meta"),
+    }
+    positions = RelativePositions.build(length, 8, 8, 64, "cpu")
+    scores = PositionScores(query, query, None, None, None, positions) if terms else None
+    return query, query, query, masks[mask], scores
+
+
+def test_dispatch_takes_the_kernel_on_cuda_and_names_each_fallback(monkeypatch):
+    reason = triton_attention.kernel_fallback_reason
+    cuda = dict(device_type="cuda", triton_available=True)
+    for dim in (32, 64, 128):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for mask in (None, "keys"):
+                assert reason(*facts(dim=dim, dtype=dtype, mask=mask), **cuda) is None, (dim, dtype, mask)
+    assert "CUDA" in reason(*facts(), device_type="cpu", triton_available=True)
+    assert "CUDA" in reason(*facts(), triton_available=True)  # meta tensors are no CUDA tensors
+    assert "not installed" in reason(*facts(), device_type="cuda", triton_available=False)
+    assert "pair mask" in reason(*facts(mask="pairs"), **cuda)
+    assert "head sizes" in reason(*facts(dim=48), **cuda)
+    assert "float64" in reason(*facts(dtype=torch.float64), **cuda)
+    assert "no position terms" in reason(*facts(terms=False), **cuda)
+    monkeypatch.setattr(triton_attention, "USE_TRITON", False)
+    assert "USE_TRITON" in reason(*facts(), **cuda)
+
+
+def test_cpu_never_takes_the_kernel(monkeypatch, caplog):
+    """Even with the interpreter on, sdpa on CPU tensors runs its own code, and says why in one debug line."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the Triton kernel ran for CPU tensors")
+
+    monkeypatch.setattr(sdpa_attention, "triton_disentangled", forbidden)
+    case = Case(length=17, dim=32, mask="padded")
+    with caplog.at_level(logging.DEBUG, logger=sdpa_attention.__name__):
+        expected = case.run(eager_disentangled)
+        actual = case.run(sdpa_attention.sdpa_disentangled)  # training: gradients on
+        with torch.no_grad():
+            query, key, value = (t.transpose(1, 2) for t in (case.q, case.k, case.v))
+            sdpa_attention.sdpa_disentangled(
+                None, query, key, value, case.mask, case.scaling, 0.0, case.position_scores()
+            )
+    assert_matches(case, expected, actual)
+    lines = [record.getMessage() for record in caplog.records if record.name == sdpa_attention.__name__]
+    assert len(lines) == 2 and all("runs on CUDA devices, not cpu" in line for line in lines)
+
+
+def model_config(**overrides) -> disentangled.DisentangledConfig:
+    return disentangled.DisentangledConfig(
+        vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        position_buckets=16, max_relative_positions=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        **overrides,
+    )  # fmt: skip
+
+
+@in_interpreter
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_model_through_the_kernel_matches_eager(monkeypatch, layout):
+    """A tiny model (head size 32) whose sdpa backend is routed through the kernel, as on CUDA: the dispatcher is
+    told the device is CUDA, and every attention call must reach the kernel."""
+    reason, attend = triton_attention.kernel_fallback_reason, triton_attention.triton_disentangled
+    calls = []
+
+    def on_cuda(*args, **kwargs):
+        return reason(*args, device_type="cuda", **kwargs)
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape)
+        return attend(*args, blocks=TILES, **kwargs)
+
+    monkeypatch.setattr(sdpa_attention, "kernel_fallback_reason", on_cuda)
+    monkeypatch.setattr(sdpa_attention, "triton_disentangled", counted)
+    torch.manual_seed(0)
+    reference = disentangled.DisentangledModel(model_config())
+    inflate_weights(reference)
+    reference.set_attn_implementation("eager")
+    ours = copy.deepcopy(reference)
+    ours.set_attn_implementation("sdpa")
+
+    batch = padded_batch(100, [23, 17])
+    real = batch["attention_mask"].bool()
+    lengths = batch["attention_mask"].sum(-1)
+    packed = {
+        "input_ids": batch["input_ids"][real][None],
+        "cu_seqlens": torch.cat([torch.zeros(1), lengths.cumsum(0)]).long(),
+    }
+    expected = reference(**batch).last_hidden_state[real]  # [T, hidden]
+    actual = ours(**batch).last_hidden_state[real] if layout == "padded" else ours(**packed).last_hidden_state[0]
+    assert len(calls) == (2 if layout == "padded" else 4)  # every layer (and sequence) took the kernel
+    assert max_abs_diff(actual, expected) <= 1e-5 * max(1.0, expected.abs().max().item())
+
+    weights = torch.linspace(-1, 1, expected.numel()).view_as(expected)
+    (expected * weights).sum().backward()
+    (actual * weights).sum().backward()
+    for (name, p), q in zip(reference.named_parameters(), ours.parameters()):
+        if p.grad is not None:
+            scale = max(p.grad.abs().max().item(), 1e-6)
+            assert (p.grad - q.grad).abs().max().item() <= 1e-4 * scale + 1e-7, name
+
+
+def test_module_imports_without_triton(monkeypatch):
+    """As in the Hub bundle on a machine without triton: the module imports, and the dispatcher says why."""
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    spec = importlib.util.spec_from_file_location("disentangled.modeling._without_triton", triton_attention.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert not module.TRITON_AVAILABLE
+    assert "not installed" in module.kernel_fallback_reason(*facts(), device_type="cuda")
