@@ -6,8 +6,11 @@ No timing is asserted: the numbers come from `python -m benchmarks.run` runs, re
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,7 +150,10 @@ def test_device_check_passes_on_the_cpu_and_catches_a_wrong_term(monkeypatch, ca
     monkeypatch.setattr(flex_attention, "FLEX_COMPILED", False)
     with pytest.raises(SystemExit) as passed:
         device_check.main(["--device", "cpu", "--no-benchmark"])
-    assert passed.value.code == 0 and capsys.readouterr().out.count(": ok") == 2
+    printed = capsys.readouterr().out
+    # float32: each sdpa variant (Triton kernel on and off where the checkout has it) and flex; bfloat16: sdpa's
+    assert passed.value.code == 0 and printed.count(": ok") == 2 * len(device_check.sdpa_variants()) + 1
+    assert "[float32 parity: " in printed and "[bfloat16 parity: " in printed and "[anchors: " in printed
 
     sdpa = modeling_disentangled.DISENTANGLED_ATTENTION_FUNCTIONS["sdpa"]
 
@@ -162,6 +168,191 @@ def test_device_check_passes_on_the_cpu_and_catches_a_wrong_term(monkeypatch, ca
     with pytest.raises(SystemExit) as failed:
         device_check.main(["--device", "cpu", "--no-benchmark"])
     assert failed.value.code == 1 and "FAIL" in capsys.readouterr().out
+
+
+def test_device_check_writes_its_lines_and_stage_times_under_the_out_dir(monkeypatch, tmp_path):
+    """--out-dir (a device run's $OUT) receives the check's lines and each stage's seconds; the anchors, absent or off
+    CUDA, are reported with the reason and do not fail the check."""
+    from benchmarks import device_check
+    from disentangled.modeling import flex_attention
+
+    monkeypatch.setattr(flex_attention, "FLEX_COMPILED", False)
+    with pytest.raises(SystemExit) as passed:
+        device_check.main(["--device", "cpu", "--no-benchmark", "--out-dir", str(tmp_path)])
+    summary = json.loads((tmp_path / "device_check.json").read_text())
+    assert passed.value.code == 0 and summary["ok"] and summary["device"] == "cpu"
+    assert set(summary["seconds"]) == {"float32 parity", "bfloat16 parity", "anchors"}
+    anchors = [line for line in summary["lines"] if "not checked: " in line and "flex" not in line]
+    assert len(anchors) == 2 and all("not installed" in line or "CUDA only" in line for line in anchors)
+
+
+def test_device_check_install_command_matches_its_docstring_and_the_wheels_fit(monkeypatch, tmp_path):
+    """The documented device command is the one `install_command` builds, and --prepare-wheels downloads the pure
+    wheels once and the binary ones per Python and platform, refusing a folder the device run could not carry."""
+    from benchmarks import device_check
+
+    docstring = re.sub(r"\s*\\\n\s*", " ", device_check.__doc__)
+    assert device_check.install_command() in docstring
+    page = (Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text()
+    assert device_check.install_command() in page
+    calls = []
+
+    def download(command, check):
+        calls.append(command)
+        (tmp_path / f"wheel{len(calls)}.whl").write_bytes(b"x" * 1024)
+
+    monkeypatch.setattr(device_check.subprocess, "run", download)
+    sizes = device_check.prepare_wheels(tmp_path)
+    pure = [name for name, binary in device_check.WHEELS if not binary]
+    assert calls[0][-len(pure) :] == pure and "--python-version" not in calls[0]
+    versions = [command[command.index("--python-version") + 1] for command in calls[1:]]
+    assert sorted(set(versions)) == device_check.PYTHONS and len(calls) == 1 + 4 * len(device_check.PLATFORMS)
+    assert len(sizes) == len(calls) and all(size == 1024 for _, size in sizes)
+    monkeypatch.setattr(device_check, "CARRY_LIMIT_MIB", 0)
+    with pytest.raises(SystemExit, match="more than the 0 MiB"):
+        device_check.prepare_wheels(tmp_path)
+
+
+def test_gpu_cases_and_targets():
+    """On CUDA the cases and targets are issue 38's; the CPU's are unchanged; no targets on CUDA in float32."""
+    assert run.GPU_INFERENCE_CASES == [(12, 32, 512), (12, 8, 2048), (12, 1, 8192), (12, 1, 16384), (12, 1, 32768)]
+    assert run.GPU_TRAINING_CASES == [(12, 16, 512), (12, 4, 2048)]
+    assert run.targets_for("cuda", "bfloat16") == {
+        ("infer", 32, 512): 2.5,
+        ("infer", 8, 2048): 2.5,
+        ("infer", 1, 8192): 2.5,
+        ("train", 16, 512): 1.6,
+    }
+    assert run.targets_for("cuda:0", "float32") == {} and run.targets_for("cpu", "float32") == run.TARGETS
+    goals = run.gpu_targets_for("cuda", "bfloat16")
+    both = ["flashdeberta", "disentangled-flash"]
+    assert goals[("infer", 32, 512)] == {"faster_than": both, "peak_gib_target": None}
+    assert goals[("infer", 1, 16384)] == {"faster_than": ["flashdeberta"], "peak_gib_target": 1.0}
+    assert goals[("train", 4, 2048)]["faster_than"] == [*both, "transformers-deberta"]
+    assert run.gpu_targets_for("cpu", "bfloat16") == {}
+
+
+class Returns(torch.nn.Module):
+    """A stand-in model: its output's last_hidden_state is a function of the inputs, or it raises `error`."""
+
+    def __init__(self, error: Exception | None = None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(1))
+        self.error = error
+
+    def forward(self, input_ids, attention_mask):
+        if self.error is not None:
+            raise self.error
+        return types.SimpleNamespace(last_hidden_state=input_ids.float()[..., None] * self.weight)
+
+
+def test_timing_case_leaves_out_a_failing_anchor_but_not_ours():
+    """A model other than ours and BERT that raises in its warm-up (out of memory, a refused shape) is left out of
+    the case with its reason; ours raising stops the run."""
+    models = {"ours-sdpa": Returns(), "bert-sdpa": Returns(), "flashdeberta": Returns(ValueError("too long\nmore"))}
+    found = {}
+    times = run.timing_case(models, 2, 16, True, 2, 1, found=found, optimizers={"ours-sdpa": None})
+    assert set(times) == {"ours-sdpa", "bert-sdpa"} and found["failed"] == {"flashdeberta": "too long"}
+    assert set(models) == {"ours-sdpa", "bert-sdpa", "flashdeberta"}  # the caller's dict is left as it was
+    with pytest.raises(RuntimeError, match="ours broke"):
+        run.timing_case({"ours-sdpa": Returns(RuntimeError("ours broke"))}, 1, 8, False, 1, 1)
+
+
+class FakeReference(Returns):
+    """transformers' DeBERTa as the anchor builders see it: on a CUDA device (claimed), with an encoder."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.Linear(1, 1)
+        self.config = types.SimpleNamespace(to_dict=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda")
+
+
+def test_anchor_builders_say_why_an_anchor_is_left_out(monkeypatch):
+    """Not installed, not on CUDA, refused (disentangled-flash above 8192 tokens), or its encoder not swapped in:
+    each gives (None, reason); a package that swaps the encoder gives the model. Nothing is imported before."""
+    import sys
+
+    from benchmarks import gpu_anchors
+
+    cpu_model = Returns()
+    cpu_model.device = torch.device("cpu")
+    for name, (module, pinned) in gpu_anchors.ANCHORS.items():
+        monkeypatch.setitem(sys.modules, module, None)  # import fails: not installed
+        model, why = gpu_anchors.build_anchor(name, cpu_model, training=False, length=512)
+        assert model is None and "not installed" in why and f"{name}=={pinned}" in why
+        monkeypatch.setitem(sys.modules, module, types.ModuleType(module))
+        model, why = gpu_anchors.build_anchor(name, cpu_model, training=False, length=512)
+        assert model is None and why.endswith("CUDA only, not on cpu")
+
+    def refuse(model, backend, sequence_lengths):
+        raise ValueError("the bounded Triton kernel family supports sequence lengths up to 8192")
+
+    package = types.SimpleNamespace(enable_deberta_inference=refuse)
+    monkeypatch.setitem(sys.modules, "disentangled_flash", package)
+    model, why = gpu_anchors.build_anchor("disentangled-flash", FakeReference(), training=False, length=16384)
+    assert model is None and why.startswith("disentangled-flash refused inference at 16384 tokens: the bounded")
+    package.enable_deberta_training = lambda model, backend: model  # Triton missing: the encoder stays
+    model, why = gpu_anchors.build_anchor("disentangled-flash", FakeReference(), training=True, length=512)
+    assert model is None and "kept transformers' encoder" in why
+
+    def swap(model, backend):
+        model.encoder = torch.nn.Identity()
+
+    package.enable_deberta_training = swap
+    model, why = gpu_anchors.build_anchor("disentangled-flash", FakeReference(), training=True, length=512)
+    assert isinstance(model.encoder, torch.nn.Identity) and why == "" and model.training
+
+
+def test_record_figures_of_a_gpu_run():
+    """A CUDA record names the GPU, the versions (the anchors' included) and parity, and per case each model's time
+    over ours, the peak memory, why a model sat the case out, and the targets; a ratio no process measured is None."""
+    args = argparse.Namespace(device="cuda", dtype="bfloat16", layers=None, processes=1, parity="passed")
+    times = {"ours-sdpa": 0.02, "bert-sdpa": 0.01, "transformers-deberta": 0.2, "flashdeberta": 0.03}
+    rows = [
+        {
+            "case": "infer 32x512 (12 layers)",
+            "layers": 12,
+            "times": [times],
+            "peak_gib": [{"ours-sdpa": 0.5}],
+            "failed": {"disentangled-flash": "refused"},
+        },
+        {"case": "infer 1x32768 (12 layers)", "layers": 12, "times": [{"ours-sdpa": 0.3, "bert-sdpa": 0.1}]},
+    ]
+    figures = run.record_figures(args, rows, 10)
+    assert figures["gpu"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else "cuda")
+    assert set(figures["versions"]) == {"torch", "cuda", "triton", "transformers", "flashdeberta", "disentangled-flash"}
+    assert figures["parity"] == "passed" and figures["layers"] == 12 and figures["repeats"] == 10
+    first, last = figures["cases"]
+    assert first["over_ours"]["flashdeberta"]["median"] == pytest.approx(1.5) and first["target"] == 2.5
+    assert first["ours_over_bert"]["median"] == pytest.approx(2.0)
+    assert first["failed"] == {"disentangled-flash": "refused"}
+    assert first["faster_than"] == ["flashdeberta", "disentangled-flash"] and first["peak_gib"] == [{"ours-sdpa": 0.5}]
+    assert last["transformers_over_ours"] is None and last["over_ours"] == {}
+    assert last["faster_than"] == ["flashdeberta"] and last["peak_gib_target"] is None
+    cpu = run.record_figures(argparse.Namespace(**{**vars(args), "device": "cpu"}), rows[:1], 10)
+    assert "gpu" not in cpu and "over_ours" not in cpu["cases"][0]  # a CPU record keeps its fields
+
+
+def test_benchmark_budget_starts_no_case_once_spent(tmp_path, capsys):
+    """--budget-s 0: every case is reported as not started, and no record is written."""
+    run.main(["--quick", "--budget-s", "0", "--out", str(tmp_path), "--records", str(tmp_path)])
+    report = json.loads((tmp_path / "benchmark-quick.json").read_text())
+    assert report["skipped"] == ["infer 8x128 (12 layers)", "infer 2x512 (12 layers)", "train 2x128 (12 layers)"]
+    assert "Not started (budget of 0 s spent)" in capsys.readouterr().out and read_records("run", tmp_path) == []
+
+
+def test_benchmark_names_why_an_anchor_sat_out(tmp_path, capsys):
+    """--anchors on the CPU: each anchor is left out with its reason (not installed, or CUDA only); ours still run."""
+    arguments = ["--quick", "--layers", "1", "--repeats", "1", "--no-eager", "--cases", "infer-8x128"]
+    run.main([*arguments, "--anchors", "flashdeberta", "disentangled-flash", "--out", str(tmp_path), "--no-record"])
+    printed = capsys.readouterr().out
+    assert printed.count("not installed") + printed.count("CUDA only") == 2
+    report = json.loads((tmp_path / "benchmark-quick.json").read_text())
+    assert set(report["inference"][0]["times"]) == {"ours-sdpa", "transformers-deberta", "bert-sdpa"}
 
 
 def test_pretraining_benchmark_reports_every_arm(tmp_path):
