@@ -76,3 +76,103 @@ def test_transfer_tables_take_each_corpus_from_its_newest_run(tmp_path):
         "real: task": [("none", 0.1, 0.1, 0.1), ("mlm", 0.1, 0.1, 0.1)],
         "generated: task": [("none", 0.3, 0.3, 0.3), ("mlm", 0.3, 0.3, 0.3)],
     }
+
+
+def gpu_record(folder, gpu: str = "NVIDIA H200") -> dict:
+    """A synthetic `benchmarks.run --device cuda` record, written only in the test's folder."""
+    times = {"ours-sdpa": 0.020, "bert-sdpa": 0.010, "transformers-deberta": 0.300, "flashdeberta": 0.030}
+    long = {"ours-sdpa": 0.200, "bert-sdpa": 0.100, "flashdeberta": 0.150}
+    figures = {
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "layers": 12,
+        "repeats": 10,
+        "processes": 1,
+        "gpu": gpu,
+        "versions": {
+            "torch": "2.14.0",
+            "cuda": "13.0",
+            "triton": "3.8.0",
+            "transformers": "5.25.0",
+            "flashdeberta": "0.0.8",
+            "disentangled-flash": "1.1.1",
+        },
+        "parity": "passed",
+        "not_started": ["train 4x2048 (12 layers)"],
+        "cases": [
+            {
+                "case": "infer 32x512",
+                "mode": "infer",
+                "batch": 32,
+                "length": 512,
+                "layers": 12,
+                "times": [times],
+                "ours_over_bert": {"median": 2.0, "min": 2.0, "max": 2.0},
+                "transformers_over_ours": {"median": 15.0, "min": 15.0, "max": 15.0},
+                "target": 2.5,
+                "over_ours": {
+                    "flashdeberta": {"median": 1.5, "min": 1.5, "max": 1.5},
+                    "transformers-deberta": {"median": 15.0, "min": 15.0, "max": 15.0},
+                },
+                "peak_gib": [{"ours-sdpa": 0.5, "bert-sdpa": 0.25, "transformers-deberta": 6.0, "flashdeberta": 1.0}],
+                "failed": {"disentangled-flash": "disentangled-flash is not installed"},
+                "faster_than": ["flashdeberta", "disentangled-flash"],
+                "peak_gib_target": None,
+            },
+            {
+                "case": "infer 1x16384",
+                "mode": "infer",
+                "batch": 1,
+                "length": 16384,
+                "layers": 12,
+                "times": [long],
+                "ours_over_bert": {"median": 2.0, "min": 2.0, "max": 2.0},
+                "transformers_over_ours": None,
+                "target": None,
+                "over_ours": {"flashdeberta": {"median": 0.75, "min": 0.75, "max": 0.75}},
+                "peak_gib": [{"ours-sdpa": 1.5, "bert-sdpa": 0.5, "flashdeberta": 3.0}],
+                "failed": {"transformers-deberta": "CUDA out of memory"},
+                "faster_than": ["flashdeberta"],
+                "peak_gib_target": 1.0,
+            },
+        ],
+    }
+    return append_record("run", figures, command=["python", "-m", "benchmarks.run", "--device", "cuda"], folder=folder)
+
+
+def test_a_gpu_record_makes_the_gpu_table_and_figure_beside_the_cpu_ones(tmp_path):
+    """With a CUDA record the GPU section shows its times, memory, ratios and targets, and gpu.png is drawn from it;
+    the CPU results and the README stay as the CPU records make them. Without one the section says where it comes
+    from."""
+    shutil.copytree(RECORDS, tmp_path / "records")
+    before, before_figures = report.generate(tmp_path / "records")
+    page = before[report.Path("docs/performance.md")]
+    gpu_part = page.split("## Results on a GPU", 1)[1]
+    assert "No GPU record yet" in gpu_part and "benchmarks.device_check --device cuda" in gpu_part
+    assert report.Path("docs/performance/gpu.png") not in before_figures
+
+    gpu_record(tmp_path / "records")
+    texts, figures = report.generate(tmp_path / "records")
+    page = texts[report.Path("docs/performance.md")]
+    cpu_part, gpu_part = page.split("## Results on a GPU", 1)
+    assert cpu_part == before[report.Path("docs/performance.md")].split("## Results on a GPU", 1)[0]
+    assert texts[report.Path("README.md")] == before[report.Path("README.md")]
+    assert "### NVIDIA H200, bfloat16" in gpu_part and "flashdeberta 0.0.8, disentangled-flash 1.1.1" in gpu_part
+    assert "Parity before the timings: passed." in gpu_part and "Not started (time budget): train 4x2048" in gpu_part
+    header = "| case | ours-sdpa | bert-sdpa | transformers-deberta | flashdeberta | disentangled-flash |"
+    assert gpu_part.count(header) == 1
+    assert "| infer 32x512 | 20.0 | 10.0 | 300.0 | 30.0 | fails |" in gpu_part
+    assert "| infer 1x16384 | 1.50 | 0.50 | fails | 3.00 | - |" in gpu_part  # peak GiB
+    assert (
+        "| infer 32x512 | 2.00 (2.00-2.00) | 15.00x (15.00-15.00) | 1.50x (1.50-1.50) | - | ours / BERT at most 2.50: "
+        "met; faster than flashdeberta: met; faster than disentangled-flash: not measured |"
+    ) in gpu_part
+    assert "faster than flashdeberta: NOT met; at most 1 GiB above the model: NOT met |" in gpu_part
+    assert "- infer 1x16384, transformers-deberta: CUDA out of memory" in gpu_part
+    gpu_png = report.Path("docs/performance/gpu.png")
+    assert figures[gpu_png]["NVIDIA H200, bfloat16"]["flashdeberta"][1] == ("infer 1x16384", 150.0, 3.0)
+    assert figures[gpu_png]["NVIDIA H200, bfloat16"]["disentangled-flash"][0] == ("infer 32x512", None, None)
+    report.draw(gpu_png.name, figures[gpu_png], tmp_path / "gpu.png")
+    assert report.figure_digest(tmp_path / "gpu.png") == report.digest(figures[gpu_png])
+    for path, data in before_figures.items():  # the CPU figures are drawn from the CPU records alone
+        assert figures[path] == data
