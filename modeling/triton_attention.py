@@ -54,10 +54,6 @@ For a GPU session to measure and tune (nothing here is measured; tests run in th
 
 from __future__ import annotations
 
-import functools
-import types
-from types import SimpleNamespace
-
 import torch
 from torch import Tensor
 
@@ -69,22 +65,25 @@ try:  # optional: the Hub bundle and CPU installs run without it (sdpa serves th
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = tl = None
 
+# Decorated at import, as triton's own helpers are: TRITON_INTERPRET (Triton's interpreter, for tests on the CPU) must
+# be set before triton is imported, since triton.language's jitted helpers (`tl.zeros`, `tl.rand`) are built then.
+_jit = triton.jit if triton is not None else (lambda function: function)
+INTERPRETED = triton is not None and bool(triton.knobs.runtime.interpret)  # the kernels below are the interpreter's
+
 TRITON_AVAILABLE = triton is not None
 USE_TRITON = True  # sdpa_disentangled runs the kernel where `kernel_fallback_reason` allows; False turns it off
 HEAD_SIZES = (32, 64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@functools.cache
-def _tile_config(dim: int) -> dict:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward and of the backward, by head size: first choices
-    for Hopper/Ampere (FlashAttention's, a step smaller at D = 128 for the gathers' registers); to be tuned on a GPU."""
-    forward = {32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 32, 8, 2)}[dim]
-    backward = {32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 32, 8, 2)}[dim]
-    return {"forward": forward, "backward": backward}
-
-
-BLOCKS = {dim: _tile_config(dim) for dim in HEAD_SIZES}
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward and of the backward by head size: first choices for
+# Hopper and Ampere (FlashAttention's tiles, the backward's and D = 128's a step smaller for the gathers' registers),
+# to be tuned on a GPU. `triton_disentangled(..., blocks=...)` overrides them (the tests use 16 x 16 tiles).
+BLOCKS = {
+    32: {"forward": (128, 64, 4, 3), "backward": (64, 64, 4, 2)},
+    64: {"forward": (128, 64, 4, 3), "backward": (64, 64, 4, 2)},
+    128: {"forward": (128, 32, 8, 2), "backward": (64, 32, 8, 2)},
+}
 
 
 def kernel_fallback_reason(
@@ -165,13 +164,12 @@ class TritonDisentangledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, c2p, p2c, p2p, column, keep, scaling, dropout, seed, blocks):
         batch, heads, length, dim = query.shape
-        kernels = _kernels(_interpreting())
         block_m, block_n, warps, stages = blocks["forward"]
         context = query.new_empty(batch, length, heads, dim)
         row_max = query.new_empty(batch, heads, length, dtype=torch.float32)
         log_sum = torch.empty_like(row_max)
         grid = (triton.cdiv(length, block_m), batch * heads)
-        kernels.forward[grid](
+        _forward_kernel[grid](
             *_arguments(query, key, value, c2p, p2c, p2p, column, keep),
             context, *context.stride(), row_max, log_sum,
             heads, length, scaling, dropout, seed, torch.finfo(query.dtype).min,
@@ -187,7 +185,6 @@ class TritonDisentangledAttention(torch.autograd.Function):
     def backward(ctx, grad_context):
         query, key, value, c2p, p2c, p2p, column, keep, context, row_max, log_sum = ctx.saved_tensors
         batch, heads, length, dim = query.shape
-        kernels = _kernels(_interpreting())
         block_m, block_n, warps, stages = ctx.blocks["backward"]
         # rowsum(dO * O) = rowsum(P * dP), [B, H, L]; O includes dropout, so this holds with it too
         delta = (grad_context.float() * context.float()).sum(-1).transpose(1, 2).contiguous()
@@ -202,11 +199,11 @@ class TritonDisentangledAttention(torch.autograd.Function):
             heads, length, ctx.scaling, ctx.dropout, ctx.seed, torch.finfo(query.dtype).min,
         )  # fmt: skip
         flags = _flags(query, c2p, p2c, p2p, keep, ctx.dropout)
-        kernels.backward_keys[(triton.cdiv(length, block_n), batch * heads)](
+        _backward_keys_kernel[(triton.cdiv(length, block_n), batch * heads)](
             *common, grad_key, *_strides(grad_key), grad_value, *_strides(grad_value), grad_p2c, *_strides(grad_p2c),
             grad_p2p, *_strides(grad_p2p, 2), **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
         )  # fmt: skip
-        kernels.backward_queries[(triton.cdiv(length, block_m), batch * heads)](
+        _backward_queries_kernel[(triton.cdiv(length, block_m), batch * heads)](
             *common, grad_query, *_strides(grad_query), grad_c2p, *_strides(grad_c2p),
             **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
         )  # fmt: skip
@@ -245,13 +242,8 @@ def _flags(query: Tensor, c2p, p2c, p2p, keep, dropout: float) -> dict:
         HAS_DROPOUT=dropout > 0,
         HEAD_DIM=query.shape[-1],
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        WIDEN_DOTS=query.dtype == torch.bfloat16 and _interpreting(),
+        WIDEN_DOTS=query.dtype == torch.bfloat16 and INTERPRETED,
     )
-
-
-def _interpreting() -> bool:
-    """Whether triton would build interpreted kernels now (TRITON_INTERPRET=1): read when a kernel is decorated."""
-    return bool(triton.knobs.runtime.interpret)
 
 
 def dropout_keep_mask(shape: tuple[int, int, int, int], dropout: float, seed: int, device=None) -> Tensor:
@@ -261,13 +253,14 @@ def dropout_keep_mask(shape: tuple[int, int, int, int], dropout: float, seed: in
     keep = torch.empty(shape, dtype=torch.int8, device=device)
     block = 16
     grid = (triton.cdiv(length, block), triton.cdiv(length, block), batch * heads)
-    _kernels(_interpreting()).keep_mask[grid](keep, length, dropout, seed, BLOCK_M=block, BLOCK_N=block)
+    _keep_mask_kernel[grid](keep, length, dropout, seed, BLOCK_M=block, BLOCK_N=block)
     return keep.bool()
 
 
-# The kernels: plain functions here (no triton needed to import this file), jitted by `_kernels`.
+# The kernels. Without triton they stay plain functions that nothing calls.
 
 
+@_jit
 def _dot(a, b, PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
     """a @ b with float32 accumulation. WIDEN_DOTS (Triton's interpreter with bfloat16, whose dot would multiply
     bfloat16's raw bits as integers): the operands as float32 first, which gives the same exact products."""
@@ -276,12 +269,14 @@ def _dot(a, b, PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
     return tl.dot(a, b, input_precision=PRECISION)
 
 
+@_jit
 def _kept(seed, plane, rows, cols, length, dropout):
     """Dropout's decision for each (i, j) of a tile: Philox at counter (plane * L + i) * L + j (int64)."""
     offsets = (plane * length + rows[:, None]) * length + cols[None, :]
     return tl.rand(seed, offsets) >= dropout
 
 
+@_jit
 def _scores_tile(
     q, k, rows, cols, b, h, length, scaling, masked,
     c2p, c2p_b, c2p_h, c2p_l, c2p_w, p2c, p2c_b, p2c_h, p2c_l, p2c_w, p2p, p2p_h, p2p_d,
@@ -310,6 +305,7 @@ def _scores_tile(
     return tl.where(cols[None, :] < length, scores, float("-inf"))
 
 
+@_jit
 def _forward_kernel(
     Q, q_b, q_h, q_l, q_d, K, k_b, k_h, k_l, k_d, V, v_b, v_h, v_l, v_d,
     C2P, c2p_b, c2p_h, c2p_l, c2p_w, P2C, p2c_b, p2c_h, p2c_l, p2c_w, P2P, p2p_h, p2p_d,
@@ -356,6 +352,7 @@ def _forward_kernel(
     tl.store(LogSum + plane * length + rows, tl.log(row_sum), mask=rows < length)
 
 
+@_jit
 def _probabilities_tile(
     q, k, v, do, rows, cols, b, h, plane, row_max, log_sum, delta, length, scaling, masked, dropout, seed,
     C2P, c2p_b, c2p_h, c2p_l, c2p_w, P2C, p2c_b, p2c_h, p2c_l, p2c_w, P2P, p2p_h, p2p_d,
@@ -384,6 +381,7 @@ def _probabilities_tile(
     return dropped, grad_scores
 
 
+@_jit
 def _backward_keys_kernel(
     Q, q_b, q_h, q_l, q_d, K, k_b, k_h, k_l, k_d, V, v_b, v_h, v_l, v_d,
     C2P, c2p_b, c2p_h, c2p_l, c2p_w, P2C, p2c_b, p2c_h, p2c_l, p2c_w, P2P, p2p_h, p2p_d,
@@ -436,6 +434,7 @@ def _backward_keys_kernel(
     tl.store(grad_value, grad_v.to(DV.dtype.element_ty), mask=in_keys)
 
 
+@_jit
 def _backward_queries_kernel(
     Q, q_b, q_h, q_l, q_d, K, k_b, k_h, k_l, k_d, V, v_b, v_h, v_l, v_d,
     C2P, c2p_b, c2p_h, c2p_l, c2p_w, P2C, p2c_b, p2c_h, p2c_l, p2c_w, P2P, p2p_h, p2p_d,
@@ -479,6 +478,7 @@ def _backward_queries_kernel(
     tl.store(grad_query, (grad_q * scaling).to(DQ.dtype.element_ty), mask=valid)
 
 
+@_jit
 def _keep_mask_kernel(Out, length, dropout, seed, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """`kept` for a whole [B * H, L, L] int8 tensor: the tests' copy of the kernels' dropout decisions."""
     plane = tl.program_id(2).to(tl.int64)
@@ -488,30 +488,3 @@ def _keep_mask_kernel(Out, length, dropout, seed, BLOCK_M: tl.constexpr, BLOCK_N
     decision = _kept(seed, plane, rows, cols, length, dropout)
     target = Out + (plane * length + rows[:, None]) * length + cols[None, :]
     tl.store(target, decision.to(tl.int8), mask=inside)
-
-
-_KERNELS = (
-    _dot, _kept, _scores_tile, _probabilities_tile, _forward_kernel, _backward_keys_kernel, _backward_queries_kernel,
-    _keep_mask_kernel,
-)  # fmt: skip
-
-
-@functools.cache
-def _kernels(interpret: bool) -> SimpleNamespace:
-    """The functions above, jitted on first use, once per interpreter setting, in a namespace of their own.
-
-    triton reads TRITON_INTERPRET when `triton.jit` wraps a function, and a kernel finds the helpers it calls by name
-    in its globals; so each setting gets copies of the functions whose globals are a fresh namespace holding the
-    jitted copies. Importing this file thus jits nothing, a test can choose the interpreter after the package was
-    imported, and the interpreted and compiled kernels never meet."""
-    namespace = {"tl": tl, "triton": triton}
-    for function in _KERNELS:
-        copy = types.FunctionType(function.__code__, namespace, function.__name__, function.__defaults__)
-        copy.__module__, copy.__qualname__, copy.__doc__ = function.__module__, function.__qualname__, function.__doc__
-        namespace[function.__name__] = triton.jit(copy)
-    return SimpleNamespace(
-        forward=namespace["_forward_kernel"],
-        backward_keys=namespace["_backward_keys_kernel"],
-        backward_queries=namespace["_backward_queries_kernel"],
-        keep_mask=namespace["_keep_mask_kernel"],
-    )

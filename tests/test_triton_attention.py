@@ -38,7 +38,7 @@ from disentangled.modeling.disentangled_attention import (  # noqa: E402
 TILES = {"forward": (16, 16, 1, 1), "backward": (16, 16, 1, 1)}
 
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # in this process from its start
+INTERPRETED = triton_attention.INTERPRETED  # this process was started with TRITON_INTERPRET=1
 in_interpreter = pytest.mark.skipif(
     not INTERPRETED, reason="runs in a process started with TRITON_INTERPRET=1 (test_kernels_in_the_interpreter)"
 )
@@ -184,7 +184,7 @@ def test_matches_eager_in_float32(name):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_within_twice_eager_error(dtype):
     """Against float32 eager on the same (rounded) inputs, our error stays within twice eager's own in `dtype`."""
-    low = Case(length=40, dim=64, buckets=(8, 8, 64), mask="padded", dtype=dtype)
+    low = Case(length=24, dim=64, buckets=(8, 8, 64), mask="padded", dtype=dtype)
     reference_context, reference_grads = low.to(torch.float32).run(eager_disentangled)
     eager_context, eager_grads = low.run(eager_disentangled)
     context, grads = low.run(kernel())
@@ -223,10 +223,13 @@ def test_dropout_statistics():
 
 
 @in_interpreter
-@pytest.mark.parametrize("terms", [("c2p", "p2c"), ("c2p", "p2c", "p2p")])
-def test_dropout_with_fixed_seed_matches_reference(terms):
+def test_dropout_with_fixed_seed_matches_reference():
     """With the kernel's own decisions applied densely, the reference gives the same outputs and gradients."""
-    case, dropout, seed = Case(length=24, dim=32, terms=terms, buckets=(8, 8, 64), mask="padded"), 0.1, 1234
+    case, dropout, seed = (
+        Case(length=24, dim=32, terms=("c2p", "p2c", "p2p"), buckets=(8, 8, 64), mask="padded"),
+        0.1,
+        1234,
+    )
     keep = triton_attention.dropout_keep_mask((2, 2, 24, 24), dropout, seed)
     expected = case.run(dense_with_dropout(keep, dropout))
     assert_matches(case, expected, case.run(kernel(seed=seed), dropout=dropout))
@@ -308,7 +311,7 @@ def test_cpu_never_takes_the_kernel(monkeypatch, caplog):
 
 def model_config(**overrides) -> disentangled.DisentangledConfig:
     return disentangled.DisentangledConfig(
-        vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
         position_buckets=16, max_relative_positions=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         **overrides,
     )  # fmt: skip
@@ -347,7 +350,7 @@ def test_model_through_the_kernel_matches_eager(monkeypatch, layout):
     }
     expected = reference(**batch).last_hidden_state[real]  # [T, hidden]
     actual = ours(**batch).last_hidden_state[real] if layout == "padded" else ours(**packed).last_hidden_state[0]
-    assert len(calls) == (2 if layout == "padded" else 4)  # every layer (and sequence) took the kernel
+    assert len(calls) == (1 if layout == "padded" else 2)  # the layer (each sequence) took the kernel
     assert max_abs_diff(actual, expected) <= 1e-5 * max(1.0, expected.abs().max().item())
 
     weights = torch.linspace(-1, 1, expected.numel()).view_as(expected)
