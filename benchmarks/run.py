@@ -29,7 +29,8 @@ median of 10 calls after 2 warm-up calls. Beside ours-sdpa (our eager reference 
 interleaved with them when installed (`benchmarks/gpu_anchors.py`, the gpu-bench extra), built on transformers'
 DeBERTa's config and weights; one that is missing, refuses a shape or runs out of memory is left out of that case
 with its reason in the record. Each call's peak allocated memory above what was allocated before it (the loaded
-models and optimizer states) is recorded per model. `--budget-s` starts no new case once that many seconds have gone.
+models and optimizer states) is recorded per model, in place of the memory sweep (which runs on CUDA only when
+--memory-models names its models). `--budget-s` starts no new case once that many seconds have gone.
 The record adds the GPU's name, the torch, CUDA, Triton and transformers versions and the anchors' versions.
 """
 
@@ -523,6 +524,15 @@ def print_ratio_medians(runs: list[dict], references: tuple[str, str], case_labe
             print(f"| {name} | {' | '.join(cells)} |")
 
 
+def record_command(argv: list[str] | None) -> list[str]:
+    """The command a record names: this module's with the arguments it was given (also when benchmarks.device_check
+    calls it), less --parity, whose verdict the figures hold."""
+    arguments = list(argv if argv is not None else sys.argv[1:])
+    if "--parity" in arguments:
+        del arguments[arguments.index("--parity") : arguments.index("--parity") + 2]
+    return ["python", "-m", "benchmarks.run", *arguments]
+
+
 def release_memory(device: str) -> None:
     gc.collect()
     if device.startswith("cuda"):
@@ -795,7 +805,7 @@ def main(argv: list[str] | None = None) -> None:
         figures = record_figures(args, rows, repeats, report["memory"])
         if report["skipped"]:
             figures["not_started"] = report["skipped"]
-        append_record("run", figures, folder=args.records, commit=args.commit)
+        append_record("run", figures, folder=args.records, commit=args.commit, command=record_command(argv))
 
 
 if __name__ == "__main__":
