@@ -384,6 +384,18 @@ def markdown(record: dict) -> str:
     return "\n".join(lines)
 
 
+def section(records: list[dict]) -> str:
+    """docs/libraries.md's generated section: the newest full-size record per (processor, device, dtype)."""
+    newest = {}
+    for record in records:
+        if not record["figures"].get("quick"):
+            figures = record["figures"]
+            newest[(record["processor"], figures["device"], figures["dtype"])] = record
+    if not newest:
+        return "No record yet: `python -m benchmarks.accelerate` writes one."
+    return "\n\n".join(markdown(newest[key]) for key in sorted(newest))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model (hidden 64), 48 tokens, 1 repeat")
