@@ -84,7 +84,7 @@ def write_backbone(folder: Path, layers: int, quick: bool) -> Path:
     letters = "abcdefghijklmnopqrstuvwxyz"
     words = sorted({"".join(rng.choice(letters) for _ in range(rng.randint(3, 9))) for _ in range(6000)})
     lines = [" ".join(rng.choice(words) for _ in range(24)) for _ in range(6000)]
-    vocab_size = 1000 if quick else 8000  # the speed is the encoder's; a real vocabulary's 128k rows add nothing
+    vocab_size = 1000 if quick else 4000  # the speed is the encoder's; a real vocabulary's 128k rows add nothing
     spm = train_sentencepiece(folder / "_spm", lines, vocab_size=vocab_size)
     shape = {key: value for key, value in V3_BASE.items() if key != "vocab_size"}
     shape.update(TINY if quick else {})

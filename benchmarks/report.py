@@ -248,14 +248,14 @@ def gpu_tables(record: dict) -> list[str]:
         cells = []
         for name in models:
             seconds = median_over_processes(case["times"], name)
-            cells.append(f"{seconds * 1000:.1f}" if seconds else "fails" if name in case.get("failed", {}) else "-")
+            cells.append(f"{seconds * 1000:.1f}" if seconds else "left out" if name in case.get("failed", {}) else "-")
         lines.append(f"| {case['case']} | " + " | ".join(cells) + " |")
     lines += ["", "| case (peak GiB) | " + " | ".join(models) + " |", "|---" * (len(models) + 1) + "|"]
     for case in figures["cases"]:
         cells = []
         for name in models:
             peak = median_over_processes(case.get("peak_gib", []), name)
-            cells.append(f"{peak:.2f}" if peak is not None else "fails" if name in case.get("failed", {}) else "-")
+            cells.append(f"{peak:.2f}" if peak is not None else "left out" if name in case.get("failed", {}) else "-")
         lines.append(f"| {case['case']} | " + " | ".join(cells) + " |")
     others = [name for name in models if name not in ("ours-sdpa", "bert-sdpa")]
     lines += [
@@ -277,7 +277,7 @@ def gpu_tables(record: dict) -> list[str]:
         f"- {case['case']}, {name}: {why}" for case in figures["cases"] for name, why in case.get("failed", {}).items()
     ]
     if reasons:
-        lines += ["", "Left out of a case:", "", *reasons]
+        lines += ["", "Left out of a case, and why:", "", *reasons]
     return lines
 
 

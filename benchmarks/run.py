@@ -304,7 +304,7 @@ def markdown_gpu_table(rows: list[dict], names: list[str]) -> str:
             if name in row["times"]:
                 cells.append(f"{row['times'][name] * 1000:.1f} ms, {row['peak_gib'].get(name, 0.0):.2f} GiB")
             else:
-                cells.append("fails" if name in row["failed"] else "-")
+                cells.append("left out" if name in row["failed"] else "-")
         lines.append(f"| {row['case']} | " + " | ".join(cells) + " |")
     notes = [f"{row['case']}, {name}: {why}" for row in rows for name, why in row["failed"].items()]
     return "\n".join(lines + ([""] + [f"- {note}" for note in notes] if notes else []))
