@@ -450,7 +450,8 @@ def main(argv: list[str] | None = None) -> None:
             "cases": rows,
             "skipped": skipped,
         }
-        append_record("accelerate", figures, folder=args.records)
+        command = ["python", "-m", "benchmarks.accelerate", *(argv if argv is not None else sys.argv[1:])]
+        append_record("accelerate", figures, command=command, folder=args.records)
 
 
 if __name__ == "__main__":
