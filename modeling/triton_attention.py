@@ -37,8 +37,22 @@ again identically in the backward. `dropout_keep_mask` writes the same decisions
 
 Design choices. The position tables are made by torch (one einsum each) rather than inside the kernel, so that the
 kernel's inputs are the reference's, and autograd, not the kernel, owns the products into q, k, Kr and Qr; the
-kernel's own work per score is then a column load and two gathers from cache-resident tables. Float32 inputs use
-IEEE products (no TF32), matching torch's default for float32 matmuls.
+kernel's own work per score is then a column load and two gathers from cache-resident tables. q . k is accumulated
+in float32 and scaled after (eager scales q first so that float16 cannot overflow; float32 cannot). Float32 inputs
+use IEEE products (no TF32), matching torch's default for float32 matmuls.
+
+Where it runs (`kernel_fallback_reason`, asked by `sdpa_disentangled` on each call, which logs the reason at debug
+level when it falls back to its own blocked path): CUDA with compute capability 8.0 or more (not ROCm), float16,
+bfloat16 or float32, head sizes 32, 64 and 128, self-attention with position terms (plain attention stays with
+torch's own fused kernels), no mask or a boolean key mask [B, 1, 1, L]. A pair mask [B, 1, L, L] (a 3-D
+attention_mask) falls back. Everything else is the kernel's: c2p, p2c and p2p in any combination, share_att_key or
+not (only Kr and Qr differ), clipped distances and log buckets (only `column` differs), packed sequences (the model
+calls once per sequence, each with its own cut column vector), dropout.
+
+Tests run the kernels in Triton's interpreter on the CPU, which must be on (TRITON_INTERPRET=1) when triton is
+imported: the kernels here, and triton.language's own jitted helpers, are decorated then. The interpreter multiplies
+bfloat16 in `tl.dot` as raw integers, so there the operands are widened to float32 first (`_dot`): the same exact
+products a tensor core makes.
 
 For a GPU session to measure and tune (nothing here is measured; tests run in the interpreter with 16 x 16 tiles):
 - forward and training step time against sdpa's blocked path (`_attend_in_blocks`) and compiled flex_attention,
