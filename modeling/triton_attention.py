@@ -121,8 +121,10 @@ def kernel_fallback_reason(
         return f"the Triton kernel runs on CUDA devices, not {device_type}"
     if torch.version.hip is not None:
         return "the Triton kernel is not tested on ROCm"
-    if query.device.type == "cuda" and torch.cuda.get_device_capability(query.device) < (8, 0):
-        return "the Triton kernel needs compute capability 8.0 or higher"
+    if query.device.type == "cuda":  # Volta and Turing (7.x) have float16 tensor cores, and no bfloat16
+        capability = torch.cuda.get_device_capability(query.device)
+        if capability < (7, 0) or (query.dtype == torch.bfloat16 and capability < (8, 0)):
+            return f"the Triton kernel needs compute capability 7.0 (8.0 for bfloat16), not {capability}"
     if position_scores is None:
         return "no position terms: plain attention runs scaled_dot_product_attention's own fused kernels"
     if not (query.dtype == key.dtype == value.dtype) or query.dtype not in DTYPES:
