@@ -252,7 +252,7 @@ class GradientCapture(transformers.TrainerCallback):
         self.gradients = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def trainer_step(folder: Path, accelerate: bool, output_dir: Path) -> tuple[dict, dict, float]:
+def trainer_step(folder: Path, accelerate: bool, output_dir: Path, checkpointing: bool) -> tuple[dict, dict, float]:
     """One SGD step of `Trainer` on a padded batch of 4: gradients, updated parameters, loss."""
     model = transformers.AutoModelForSequenceClassification.from_pretrained(
         folder, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
@@ -276,21 +276,23 @@ def trainer_step(folder: Path, accelerate: bool, output_dir: Path) -> tuple[dict
         use_cpu=True,
         disable_tqdm=True,
         seed=0,
+        activation_checkpointing=checkpointing,  # transformers 5's name for gradient checkpointing
     )
     capture = GradientCapture()
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=data, processing_class=tok, callbacks=[capture]
     )
     loss = trainer.train().training_loss
-    assert is_accelerated(model) == accelerate
+    assert is_accelerated(model) == accelerate and model.is_activation_checkpointing == checkpointing
     return capture.gradients, {name: p.detach().clone() for name, p in model.named_parameters()}, loss
 
 
-@pytest.mark.parametrize("name", ["nli", "v1"])
-def test_trainer_step_gradients(folders, tmp_path, name):
-    """v3 and v1: the same loss, every parameter's gradient within 1e-4 of its scale, the same updated weights."""
-    plain_grads, plain_after, plain_loss = trainer_step(folders[name], False, tmp_path / "plain")
-    grads, after, loss = trainer_step(folders[name], True, tmp_path / "accelerated")
+@pytest.mark.parametrize(("name", "checkpointing"), [("nli", False), ("v1", False), ("nli", True)])
+def test_trainer_step_gradients(folders, tmp_path, name, checkpointing):
+    """v3 and v1 (v3 with activation checkpointing too): the same loss, every parameter's gradient within 1e-4 of its
+    scale, the same updated weights."""
+    plain_grads, plain_after, plain_loss = trainer_step(folders[name], False, tmp_path / "plain", checkpointing)
+    grads, after, loss = trainer_step(folders[name], True, tmp_path / "accelerated", checkpointing)
     assert loss == pytest.approx(plain_loss, rel=SCORE_RTOL)
     assert grads.keys() == plain_grads.keys() and len(grads) == len(after)
     overall = max(g.abs().max().item() for g in plain_grads.values())
