@@ -31,9 +31,9 @@ so the device tool's `carry` names it):
 
 then, on the device machine (`install_command()`; REV: the commit the tree is at):
 
-    pip install --no-index --find-links .device-wheels --no-deps flashdeberta==0.0.8 disentangled-flash==1.1.1 \\
-        einops 'sentencepiece>=0.2' protobuf 'jinja2>=3.0' markupsafe 'setuptools>=77' \\
-      && pip install --no-index --no-deps --no-build-isolation -e . \\
+    python -m pip install --no-index --find-links .device-wheels --no-deps flashdeberta==0.0.8 \\
+        disentangled-flash==1.1.1 einops 'sentencepiece>=0.2' protobuf 'jinja2>=3.0' markupsafe 'setuptools>=77' \\
+      && python -m pip install --no-index --no-deps --no-build-isolation -e . \\
       && python -m benchmarks.device_check --device cuda --out-dir $OUT --commit REV
 
 `--find-links` lets pip pick, of the binary wheels downloaded for Python 3.10 to 3.13 on x86-64 and aarch64, the one
@@ -293,8 +293,8 @@ def install_command(folder: str = ".device-wheels") -> str:
     """What installs the carried wheels, then our package, on a machine without a registry."""
     requirements = " ".join(shlex.quote(requirement) for requirement, _ in WHEELS)
     return (
-        f"pip install --no-index --find-links {folder} --no-deps {requirements} && "
-        "pip install --no-index --no-deps --no-build-isolation -e ."
+        f"python -m pip install --no-index --find-links {folder} --no-deps {requirements} && "
+        "python -m pip install --no-index --no-deps --no-build-isolation -e ."
     )
 
 

@@ -75,9 +75,13 @@ def build_anchor(name: str, reference: nn.Module, *, training: bool, length: int
         package = importlib.import_module(module_name)
     except ImportError as error:
         return None, f"{name} is not installed ({error}): pip install '{name}=={pinned}' (the gpu-bench extra)"
+    except Exception as error:  # not ours: whatever its import raises is the reason it is left out
+        return None, f"{name} failed to import: {type(error).__name__}: {error}"
     if reference.device.type != "cuda":
         return None, f"{name} runs its Triton kernels on CUDA only, not on {reference.device.type}"
     try:
         return BUILDERS[name](package, reference, training, length), ""
     except (ValueError, RuntimeError, TypeError, NotImplementedError) as error:
         return None, f"{name} refused {'training' if training else 'inference'} at {length} tokens: {error}"
+    except Exception as error:  # an API this version does not have, say: reported, never fatal to the benchmark
+        return None, f"{name} could not be built: {type(error).__name__}: {error}"

@@ -191,35 +191,39 @@ def timing_case(
     """Median seconds per call for every model, interleaved: warm-up calls, then `repeats` rounds of one call each.
 
     `optimizers` (name -> optimizer) adds a step to each training call. `found`, when given, receives "peak_gib"
-    (name -> GiB, on CUDA) and "failed" (name -> why): a model other than ours and BERT that raises in its warm-up
-    is left out of the case (the others go on)."""
+    (name -> GiB, on CUDA) and "failed" (name -> why): a model other than ours and BERT that raises (out of memory,
+    a refused shape) is left out of the case, its times dropped, and the others go on."""
     inputs = inputs_for(batch, length, padded=True, device=device)
     optimizers = dict(optimizers or {})
     peaks, failed = {}, {}
     models = dict(models)
     times = {name: [] for name in models}
+
+    def call(name: str) -> float | None:
+        try:
+            return measured_call(models[name], inputs, training, dtype, optimizers.get(name), peaks, name)
+        except Exception as error:  # whatever an anchor raises is reported, not fatal
+            if not may_fail(name):
+                raise
+            failed[name] = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+            print(f"{name} left out of {batch}x{length}: {failed[name]}", flush=True)
+        for held in (models, times, peaks, optimizers):
+            held.pop(name, None)
+        release_memory(str(device))
+        return None
+
     for _ in range(warmup):
-        for name, model in list(models.items()):
-            try:
-                measured_call(model, inputs, training, dtype, optimizers.get(name), peaks, name)
-            except Exception as error:  # whatever an anchor raises is reported, not fatal
-                if not may_fail(name):
-                    raise
-                failed[name] = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-                print(f"{name} left out of {batch}x{length}: {failed[name]}", flush=True)
-                del models[name], times[name]
-                peaks.pop(name, None)
-                optimizers.pop(name, None)
-                gc.collect()
-                if torch.device(device).type == "cuda":
-                    torch.cuda.empty_cache()
-    peaks = {}  # the warm-up's peaks include compiling and autotuning
+        for name in list(models):
+            call(name)
+    peaks.clear()  # the warm-up's peaks include compiling and autotuning
     for _ in range(repeats):
-        for name, model in models.items():
-            times[name].append(measured_call(model, inputs, training, dtype, optimizers.get(name), peaks, name))
+        for name in list(models):
+            seconds = call(name)
+            if seconds is not None:
+                times[name].append(seconds)
         gc.collect()
     if found is not None:
-        found.update(peak_gib=peaks, failed=failed)
+        found.update(peak_gib=dict(peaks), failed=failed)
     return {name: statistics.median(values) for name, values in times.items()}
 
 

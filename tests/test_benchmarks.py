@@ -235,13 +235,14 @@ def test_gpu_cases_and_targets():
 class Returns(torch.nn.Module):
     """A stand-in model: its output's last_hidden_state is a function of the inputs, or it raises `error`."""
 
-    def __init__(self, error: Exception | None = None):
+    def __init__(self, error: Exception | None = None, after: int = 0):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(1))
-        self.error = error
+        self.error, self.after = error, after
 
     def forward(self, input_ids, attention_mask):
-        if self.error is not None:
+        self.after -= 1
+        if self.error is not None and self.after < 0:
             raise self.error
         return types.SimpleNamespace(last_hidden_state=input_ids.float()[..., None] * self.weight)
 
@@ -249,11 +250,17 @@ class Returns(torch.nn.Module):
 def test_timing_case_leaves_out_a_failing_anchor_but_not_ours():
     """A model other than ours and BERT that raises in its warm-up (out of memory, a refused shape) is left out of
     the case with its reason; ours raising stops the run."""
-    models = {"ours-sdpa": Returns(), "bert-sdpa": Returns(), "flashdeberta": Returns(ValueError("too long\nmore"))}
+    models = {
+        "ours-sdpa": Returns(),
+        "bert-sdpa": Returns(),
+        "flashdeberta": Returns(ValueError("too long\nmore")),
+        "transformers-deberta": Returns(MemoryError("out of memory"), after=2),  # in the timed calls
+    }
     found = {}
-    times = run.timing_case(models, 2, 16, True, 2, 1, found=found, optimizers={"ours-sdpa": None})
-    assert set(times) == {"ours-sdpa", "bert-sdpa"} and found["failed"] == {"flashdeberta": "too long"}
-    assert set(models) == {"ours-sdpa", "bert-sdpa", "flashdeberta"}  # the caller's dict is left as it was
+    times = run.timing_case(models, 2, 16, True, 3, 1, found=found, optimizers={"ours-sdpa": None})
+    assert set(times) == {"ours-sdpa", "bert-sdpa"}
+    assert found["failed"] == {"flashdeberta": "too long", "transformers-deberta": "out of memory"}
+    assert set(models) == {"ours-sdpa", "bert-sdpa", "flashdeberta", "transformers-deberta"}  # the caller's, as it was
     with pytest.raises(RuntimeError, match="ours broke"):
         run.timing_case({"ours-sdpa": Returns(RuntimeError("ours broke"))}, 1, 8, False, 1, 1)
 
