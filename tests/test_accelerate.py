@@ -320,3 +320,15 @@ def test_enable_with_another_backend():
     with pytest.raises(ValueError, match="not one of ours"):
         disentangled.enable("flash_attention_2")
     assert not disentangled.acceleration.enabled()
+
+
+def test_enable_builds_an_unsupported_config_plain_with_a_warning():
+    """Under enable(), a config accelerate() refuses (p2p listed) is built as transformers builds it, with a warning."""
+    config = transformers.DebertaV2Config(**cut(dict(V2_SHAPES["deberta-v3-xsmall"], pos_att_type="p2c|c2p|p2p")))
+    try:
+        disentangled.enable()
+        with pytest.warns(UserWarning, match="p2p.*runs transformers' own attention"):
+            model = transformers.DebertaV2ForSequenceClassification(config)
+    finally:
+        disentangled.disable()
+    assert not is_accelerated(model)

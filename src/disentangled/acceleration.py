@@ -30,7 +30,7 @@ from transformers.models.deberta_v2 import modeling_deberta_v2 as deberta_v2
 
 from .configuration import DisentangledConfig
 from .conversion.deberta_v1 import convert_v1_config
-from .modeling.disentangled_attention import RelativePositions
+from .modeling.disentangled_attention import RelativePositions, warn_once
 from .modeling.modeling_disentangled import (
     DISENTANGLED_ATTENTION_FUNCTIONS,
     DisentangledEncoder,
@@ -250,9 +250,11 @@ def _check_implementation(attn_implementation: str | None) -> str:
     return implementation
 
 
-def _accelerate(model: nn.Module, implementation: str, already: str) -> int:
+def _accelerate(model: nn.Module, implementation: str, already: str, unsupported: str = "raise") -> int:
     """Swap every DeBERTa base model's encoder and self-attention classes; `already`: "raise" or "skip" a model
-    accelerated before. Returns how many base models were accelerated now. Every check runs before any swap."""
+    accelerated before; `unsupported`: "raise" for a config our attention does not compute as transformers does, or
+    "warn" (once) and leave that model to transformers' attention. Returns how many base models were accelerated now.
+    Every check runs before any swap."""
     bases = [(name, module) for name, module in model.named_modules() if isinstance(module, BASE_MODELS)]
     todo = []
     for name, base in bases:
@@ -272,7 +274,11 @@ def _accelerate(model: nn.Module, implementation: str, already: str) -> int:
         try:
             config = disentangled_config(base.config)
         except ValueError as error:
-            raise ValueError(f"{where} ({type(base).__name__}) cannot be accelerated: {error}") from None
+            message = f"{where} ({type(base).__name__}) cannot be accelerated: {error}"
+            if unsupported == "raise":
+                raise ValueError(message) from None
+            warn_once(message + "; it runs transformers' own attention")
+            continue
         todo.append((base, config))
     for base, config in todo:
         encoder = base.encoder
@@ -324,7 +330,7 @@ def _post_init_hook(cls: type):
         original = _saved.get(cls, _MISSING)
         original(self) if original is not _MISSING else super(cls, self).post_init()
         if "implementation" in _enabled:
-            _accelerate(self, _enabled["implementation"], already="skip")
+            _accelerate(self, _enabled["implementation"], already="skip", unsupported="warn")
 
     post_init.__doc__ = "transformers' post_init, then `disentangled.accelerate` (installed by disentangled.enable())"
     return post_init
@@ -333,7 +339,9 @@ def _post_init_hook(cls: type):
 def enable(attn_implementation: str | None = None) -> None:
     """Accelerate every transformers DeBERTa model (v1, v2/v3) built from now on in this process: the Auto classes,
     `DebertaV2ForX.from_pretrained`, `pipeline(...)`, and libraries that build them (GLiNER, sentence-transformers).
-    Calling it again changes the backend; `disable()` stops it (models built meanwhile stay accelerated)."""
+    Calling it again changes the backend; `disable()` stops it (models built meanwhile stay accelerated). A model whose
+    config our attention does not compute as transformers does (v1's `talking_head`, a `p2p` term) is built as it
+    would be without `enable()`, with a warning, rather than refused."""
     implementation = _check_implementation(attn_implementation)
     if not _enabled:
         for cls in PATCHED:
