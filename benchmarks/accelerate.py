@@ -385,12 +385,12 @@ def markdown(record: dict) -> str:
 
 
 def section(records: list[dict]) -> str:
-    """docs/libraries.md's generated section: the newest full-size record per (processor, device, dtype)."""
+    """docs/libraries.md's generated section: the newest full-size record per (processor, device, dtype, layers)."""
     newest = {}
     for record in records:
         if not record["figures"].get("quick"):
             figures = record["figures"]
-            newest[(record["processor"], figures["device"], figures["dtype"])] = record
+            newest[(record["processor"], figures["device"], figures["dtype"], -figures["layers"])] = record
     if not newest:
         return "No record yet: `python -m benchmarks.accelerate` writes one."
     return "\n\n".join(markdown(newest[key]) for key in sorted(newest))

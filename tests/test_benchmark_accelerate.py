@@ -119,6 +119,8 @@ def test_report_renders_the_table_from_a_record(tmp_path):
     }
     append_record("accelerate", figures, command=["python", "-m", "benchmarks.accelerate"], folder=tmp_path)
     append_record("accelerate", figures | {"quick": True}, command=["quick"], folder=tmp_path)  # not on the page
+    two_layers = figures | {"layers": 2, "cases": [synthetic_case("crossencoder", 1, 128, 0.2, 0.1)]}
+    append_record("accelerate", two_layers, command=["two layers"], folder=tmp_path)  # a table of its own
     texts, _ = report.generate(tmp_path)
     page = texts[Path("docs/libraries.md")]
     section = page.split(report.BEGIN.format(name="libraries"))[1].split(report.END)[0]
@@ -127,6 +129,8 @@ def test_report_renders_the_table_from_a_record(tmp_path):
     assert "DeBERTa-v3-base shape, 12 layers; median of 3 interleaved calls" in section
     assert "gliner 0.2.29" in section and "transformers 4.57.6" in section and "gliner2 (gliner2 is not" in section
     assert "Command: `python -m benchmarks.accelerate`" in section and "`quick`" not in section
+    assert section.index("12 layers;") < section.index("| gliner 8x2048 |") < section.index(" 2 layers;")
+    assert "| crossencoder 1x128 | 1x128 | 0.200 s | 0.100 s | 2.00x | 1x | yes |" in section
     assert accelerate.section([]) == "No record yet: `python -m benchmarks.accelerate` writes one."
 
 
