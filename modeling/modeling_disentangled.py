@@ -52,6 +52,7 @@ from .disentangled_attention import (
 from .flex_attention import FLEX_AVAILABLE, flex_disentangled
 from .native import available as _native_available  # noqa: F401  (see the note on cpu_inference above)
 from .sdpa_attention import dropout_keep_mask, sdpa_disentangled
+from .triton_attention import TRITON_AVAILABLE  # noqa: F401  (sdpa's CUDA kernel; see cpu_inference above)
 from .validation import (
     IGNORE_INDEX,
     input_shape,
