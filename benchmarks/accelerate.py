@@ -1,6 +1,7 @@
 """Libraries' own DeBERTa models with `disentangled.accelerate` against without: GLiNER, GLiNER2 and a CrossEncoder.
 
-    python -m benchmarks.accelerate                          # 12 layers, float32, every library and case
+    python -m benchmarks.accelerate                          # 12 layers, float32, every case: about an hour on 2 cores
+    python -m benchmarks.accelerate --layers 2               # every case, 2 layers: 15 minutes
     python -m benchmarks.accelerate --layers 2 --cases gliner-1x2048 crossencoder-1x2048   # a few cases, 2 layers
     python -m benchmarks.accelerate --dtype bfloat16 --threads 2
     python -m benchmarks.accelerate --device cuda --dtype bfloat16                        # on a GPU
