@@ -13,6 +13,9 @@ Stages, each printed with the seconds it took:
    fails), and off. Fails on a mismatch.
 2. bfloat16 parity: ours in bfloat16 (sdpa, Triton on and off) against transformers' DeBERTa in float32 on the same
    weights; our error within 2x transformers' own bfloat16 error + 1e-3. Fails on a mismatch.
+   Then transformers' own DebertaV2Model, `disentangled.accelerate`d in place, against itself unaccelerated in
+   float32 (outputs 1e-5, gradients 1e-4; on CUDA the Triton kernel must serve it): what GLiNER, sentence-transformers
+   and pipelines run. Fails on a mismatch.
 3. The anchors (benchmarks/gpu_anchors.py): FlashDeBERTa and disentangled-flash against transformers' DeBERTa in
    float32 on the padded batch. Printed, never failed: they are not ours.
 4. `benchmarks.run --device cuda --dtype bfloat16 --no-eager --no-memory`: the GPU cases with the anchors; no case
@@ -262,6 +265,35 @@ def bfloat16_parity(device: torch.device, lines: list[str] | None = None) -> boo
     return ok
 
 
+def accelerate_parity(device: torch.device, lines: list[str] | None = None) -> bool:
+    """Stage 2b: transformers' own DebertaV2Model, `disentangled.accelerate`d in place (as GLiNER, sentence-transformers
+    and pipelines get it), against itself unaccelerated in float32: outputs 1e-5, every gradient 1e-4, and on CUDA
+    the Triton kernel must have served the calls."""
+    lines = [] if lines is None else lines
+    reference = transformers_twin(reference_model(device))
+    batch = padded_batch(device)
+    real = batch["attention_mask"].bool()
+    expected, expected_grads = run_backend(reference, batch, backward=True)
+    accelerated = disentangled.accelerate(copy.deepcopy(reference))
+    switch = triton_switch() is not None or None
+    with KernelCalls(switch) as calls:
+        actual, grads = run_backend(accelerated, batch, backward=True)
+    kernel_ok, kernel_note = kernel_verdict(calls, device)
+    scale = max(1.0, expected[real].abs().max().item())
+    output_error = (actual - expected)[real].abs().max().item() / scale
+    grad_error = max(
+        ((grads[name] - want).abs().max() / want.abs().max().clamp(min=1e-6)).item()
+        for name, want in expected_grads.items()
+    )
+    passed = output_error <= 1e-5 and grad_error <= 1e-4 and kernel_ok
+    lines.append(
+        f"{device} accelerate(transformers' DebertaV2Model): outputs {output_error:.1e} (bound 1e-5), gradients "
+        f"{grad_error:.1e} (bound 1e-4){kernel_note}: {'ok' if passed else 'FAIL'}"
+    )
+    print(lines[-1], flush=True)
+    return passed
+
+
 def anchor_parity(device: torch.device, lines: list[str] | None = None) -> None:
     """Stage 3: each anchor against transformers' DeBERTa in float32; printed, never failed."""
     lines = [] if lines is None else lines
@@ -346,6 +378,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ok = stage("float32 parity", parity)
     ok &= stage("bfloat16 parity", bfloat16_parity)
+    ok &= stage("accelerate parity", accelerate_parity)
     stage("anchors", anchor_parity)
     if args.out_dir:
         args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -151,9 +151,11 @@ def test_device_check_passes_on_the_cpu_and_catches_a_wrong_term(monkeypatch, ca
     with pytest.raises(SystemExit) as passed:
         device_check.main(["--device", "cpu", "--no-benchmark"])
     printed = capsys.readouterr().out
-    # float32: each sdpa variant (Triton kernel on and off where the checkout has it) and flex; bfloat16: sdpa's
-    assert passed.value.code == 0 and printed.count(": ok") == 2 * len(device_check.sdpa_variants()) + 1
+    # float32: each sdpa variant (Triton kernel on and off where the checkout has it) and flex; bfloat16: sdpa's;
+    # transformers' DebertaV2Model accelerated in place
+    assert passed.value.code == 0 and printed.count(": ok") == 2 * len(device_check.sdpa_variants()) + 2
     assert "[float32 parity: " in printed and "[bfloat16 parity: " in printed and "[anchors: " in printed
+    assert "accelerate(transformers' DebertaV2Model): " in printed and "[accelerate parity: " in printed
 
     sdpa = modeling_disentangled.DISENTANGLED_ATTENTION_FUNCTIONS["sdpa"]
 
