@@ -386,15 +386,20 @@ def markdown(record: dict) -> str:
 
 
 def section(records: list[dict]) -> str:
-    """docs/libraries.md's generated section: the newest full-size record per (processor, device, dtype, layers)."""
-    newest = {}
-    for record in records:
-        if not record["figures"].get("quick"):
-            figures = record["figures"]
-            newest[(record["processor"], figures["device"], figures["dtype"], -figures["layers"])] = record
-    if not newest:
+    """docs/libraries.md's generated section: per (processor, device, dtype, layers), each full-size record that no
+    newer record of the same kind replaces (one that times all of its cases), newest first."""
+    shown: dict[tuple, list[dict]] = {}
+    for record in reversed(records):  # newest first
+        figures = record["figures"]
+        if figures.get("quick"):
+            continue
+        kept = shown.setdefault((record["processor"], figures["device"], figures["dtype"], -figures["layers"]), [])
+        cases = {row["case"] for row in figures["cases"]}
+        if not any(cases <= {row["case"] for row in newer["figures"]["cases"]} for newer in kept):
+            kept.append(record)
+    if not shown:
         return "No record yet: `python -m benchmarks.accelerate` writes one."
-    return "\n\n".join(markdown(newest[key]) for key in sorted(newest))
+    return "\n\n".join(markdown(record) for key in sorted(shown) for record in shown[key])
 
 
 def main(argv: list[str] | None = None) -> None:
