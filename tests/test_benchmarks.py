@@ -183,7 +183,7 @@ def test_device_check_writes_its_lines_and_stage_times_under_the_out_dir(monkeyp
         device_check.main(["--device", "cpu", "--no-benchmark", "--out-dir", str(tmp_path)])
     summary = json.loads((tmp_path / "device_check.json").read_text())
     assert passed.value.code == 0 and summary["ok"] and summary["device"] == "cpu"
-    assert set(summary["seconds"]) == {"float32 parity", "bfloat16 parity", "anchors"}
+    assert set(summary["seconds"]) == {"float32 parity", "bfloat16 parity", "accelerate parity", "anchors"}
     anchors = [line for line in summary["lines"] if "not checked: " in line and "flex" not in line]
     assert len(anchors) == 2 and all("not installed" in line or "CUDA only" in line for line in anchors)
 
