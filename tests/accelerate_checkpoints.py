@@ -14,28 +14,22 @@ from pathlib import Path
 
 import torch
 import transformers
+from deberta_shapes import V3_COMMON
 from parity import inflate_weights
 from tiny_models import spm_model, tokenizer
 
 from disentangled.tokenization import SPM_TOKENIZER_CONFIG
 
-# deberta-v3's attention fields at a tiny size; 16 buckets so that a sentence already reaches the log buckets
+# deberta-v3's attention fields (deberta_shapes.V3_COMMON) at a tiny size; 16 buckets so that a sentence already
+# reaches the log buckets
 V3 = dict(
+    V3_COMMON,
     hidden_size=32,
     num_hidden_layers=2,
     num_attention_heads=4,
     intermediate_size=64,
     max_position_embeddings=128,
-    relative_attention=True,
-    max_relative_positions=-1,
     position_buckets=16,
-    norm_rel_ebd="layer_norm",
-    share_att_key=True,
-    pos_att_type="p2c|c2p",
-    position_biased_input=False,
-    type_vocab_size=0,
-    layer_norm_eps=1e-7,
-    hidden_act="gelu",
 )
 # deberta-base's (v1): no buckets, separate position projections, absolute positions added to the input
 V1 = dict(

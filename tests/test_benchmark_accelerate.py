@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from deberta_shapes import V3_COMMON
 from test_documented_commands import read_blocks
 from tiny_models import spm_model
 
@@ -137,19 +138,13 @@ def test_report_renders_the_table_from_a_record(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # The page's blocks that load Hub models: tiny local models saved under those names, each block in a fresh process
 
-TINY = dict(
+TINY = dict(  # deberta-v3's attention fields at a tiny size
+    V3_COMMON,
     hidden_size=32,
     num_hidden_layers=2,
     num_attention_heads=4,
     intermediate_size=64,
-    relative_attention=True,
-    max_relative_positions=-1,
     position_buckets=32,
-    norm_rel_ebd="layer_norm",
-    share_att_key=True,
-    pos_att_type="p2c|c2p",
-    position_biased_input=False,
-    type_vocab_size=0,
 )
 GLINER_SCRIPT = """
 import sys
@@ -164,7 +159,7 @@ GLiNER.from_config(config, backbone_from_pretrained=True, local_files_only=True)
 def save_deberta(folder: Path, class_name: str, seed: int, **config) -> Path:
     torch.manual_seed(seed)
     tokenizer_files = {"spm.model": spm_model().read_bytes(), "tokenizer_config.json": SPM_TOKENIZER_CONFIG}
-    model_config = transformers.DebertaV2Config(**TINY, vocab_size=200, pad_token_id=0, **config)
+    model_config = transformers.DebertaV2Config(**TINY, vocab_size=200, **config)
     getattr(transformers, class_name)(model_config).save_pretrained(folder)
     (folder / "spm.model").write_bytes(tokenizer_files["spm.model"])
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_files["tokenizer_config.json"]))

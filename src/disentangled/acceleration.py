@@ -30,7 +30,7 @@ from transformers.models.deberta_v2 import modeling_deberta_v2 as deberta_v2
 
 from .configuration import DisentangledConfig
 from .conversion.deberta_v1 import convert_v1_config
-from .modeling.disentangled_attention import RelativePositions, warn_once
+from .modeling.disentangled_attention import RelativePositions, head_scaling, warn_once
 from .modeling.modeling_disentangled import (
     DISENTANGLED_ATTENTION_FUNCTIONS,
     DisentangledEncoder,
@@ -93,7 +93,7 @@ class AcceleratedSelfAttention(DisentangledSelfAttention):
         self.use_p2c = config.relative_attention and "p2c" in terms
         self.use_p2p = False  # refused in `disentangled_config`
         self.share_att_key = config.share_att_key
-        self.scaling = (self.head_dim * (1 + len(terms))) ** -0.5  # transformers counts every listed term
+        self.scaling = head_scaling(self.head_dim, 1 + len(terms))  # transformers counts every listed term
         self.dropout_p = config.attention_probs_dropout_prob
         self._position_cache = None
         if not hasattr(self, "pos_dropout"):  # transformers makes it only with relative attention
