@@ -473,15 +473,20 @@ class DisentangledEncoder(nn.Module):
         self._rel_cache = (cache_key, rel_embeddings) if cache_key is not None else None
         return rel_embeddings
 
+    def position_config(self) -> DisentangledConfig:
+        """The config whose bucket settings the relative positions follow."""
+        return self.config
+
     def get_rel_index(self, length: int, device) -> RelativePositions | None:
         """Each distance's table column and the reachable relative rows, once per forward for all layers."""
         if not self.relative_attention:
             return None
+        config = self.position_config()
         return RelativePositions.build(
             length,
             span=self.span,
-            bucket_size=self.config.position_buckets,
-            max_position=self.config.max_relative_distance,
+            bucket_size=config.position_buckets,
+            max_position=config.max_relative_distance,
             device=device,
             workspace=kept_workspace(self) if not is_tracing() else None,
         )

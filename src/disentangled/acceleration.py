@@ -37,8 +37,6 @@ from .modeling.modeling_disentangled import (
     DisentangledModel,
     DisentangledSelfAttention,
 )
-from .modeling.validation import is_tracing
-from .modeling.workspace import kept_workspace
 
 IMPLEMENTATIONS = tuple(DISENTANGLED_ATTENTION_FUNCTIONS)  # eager, sdpa, flex_attention
 DEFAULT_IMPLEMENTATION = "sdpa"  # the fastest path on every device (on CUDA it takes the fused kernel where it can run)
@@ -163,18 +161,8 @@ class AcceleratedEncoder(DisentangledEncoder):
         self.span = config.relative_span
         self._rel_cache = None
 
-    def get_rel_index(self, length: int, device) -> RelativePositions | None:
-        if not self.relative_attention:
-            return None
-        config = self.disentangled_config
-        return RelativePositions.build(
-            length,
-            span=self.span,
-            bucket_size=config.position_buckets,
-            max_position=config.max_relative_distance,
-            device=device,
-            workspace=kept_workspace(self) if not is_tracing() else None,
-        )
+    def position_config(self) -> DisentangledConfig:
+        return self.disentangled_config
 
     def forward(
         self,
