@@ -145,6 +145,24 @@ class RelativePositions:
         return self.int32_column, (self.width - 1) - self.int32_column.flip(0)
 
     @cached_property
+    def column_runs(self) -> Tensor:
+        """[2, 2L] int32 prefix counts over the column vector, for the Triton kernel's table gradients (columns are
+        monotone in d, so distances that share a column are neighbours). Row 0 at d: how many distances in [0, d)
+        share their column with another; a tile whose distances [lo, hi] count none there writes each of its
+        gradient entries alone. Row 1 at d: how many times the column changes in (0, d]; a tile whose distances
+        count none reads one column."""
+        column = self.column
+        changed = column[1:] != column[:-1]  # [2L - 2]
+        shared = torch.zeros_like(column, dtype=torch.bool)
+        shared[1:] |= ~changed
+        shared[:-1] |= ~changed
+        runs = torch.zeros(2, column.numel() + 1, dtype=torch.int32, device=column.device)
+        runs[0, 1:] = shared.cumsum(0)
+        runs[1, 1:-1] = changed.cumsum(0)
+        runs[1, -1] = runs[1, -2]
+        return runs
+
+    @cached_property
     def int32_column(self) -> Tensor:
         """`column` as int32, for the compiled kernels (`native.py`)."""
         return self.column.to(torch.int32)

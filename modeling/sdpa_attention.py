@@ -33,7 +33,7 @@ from .disentangled_attention import (
 )
 from .native import available as kernel_available
 from .native import hankel_bias, hankel_bias_backward
-from .triton_attention import kernel_fallback_reason, triton_disentangled
+from .triton_attention import KernelLaunchError, kernel_fallback_reason, launch_failed, triton_disentangled
 from .validation import is_tracing
 from .workspace import _scratch
 
@@ -80,9 +80,13 @@ def sdpa_disentangled(
         return context, None
 
     # CUDA: the fused Triton kernel (`triton_attention.py`) where it takes this call; else say why, and go on
-    reason = kernel_fallback_reason(query, key, value, attention_mask, position_scores)
+    reason = kernel_fallback_reason(query, key, value, attention_mask, position_scores, dropout=dropout)
     if reason is None:
-        return triton_disentangled(module, query, key, value, attention_mask, scaling, dropout, position_scores)
+        try:
+            return triton_disentangled(module, query, key, value, attention_mask, scaling, dropout, position_scores)
+        except KernelLaunchError as error:  # this GPU cannot run it: warned once, and not tried again
+            launch_failed(query, error)
+            reason = f"the Triton kernel failed to launch: {error}"
     logger.debug("sdpa_disentangled runs without the Triton kernel: %s", reason)
     tensors = (query, key, value, position_scores.pos_key, position_scores.pos_query)
     inference = not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))

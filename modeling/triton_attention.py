@@ -17,23 +17,34 @@ and the log of the row sum, which the backward uses to rebuild P exactly (kept a
 log-sum-exp: for a fully masked row the max is finfo.min, next to which log(L) vanishes in float32).
 
 The backward is two kernels that each recompute their tiles' scores and P = exp(A - max - log sum):
-- by key blocks: a program owns BLOCK_N keys, walks all query blocks and accumulates dk and dv on chip, and adds
-  dS[i, j] into d_p2c[j, column[i - j]] (and d_p2p[h, i - j]) with atomics;
-- by query blocks: a program owns BLOCK_M queries, walks all key blocks, accumulates dq on chip, and adds dS into
-  d_c2p[i, column[i - j]].
-Each table's gradient rows thus belong to one program (only p2p's, [H, 2L - 1], are shared across programs); the
-atomics are there because several (i, j) of a tile read the same column where distances are clipped or bucketed.
+- by key blocks ("keys"): a program owns BLOCK_N keys, walks all query blocks and accumulates dk and dv on chip, and
+  adds dS[i, j] into d_p2c[j, column[i - j]] (and d_p2p[h, i - j]);
+- by query blocks ("queries"): a program owns BLOCK_M queries, walks all key blocks, accumulates dq on chip, and adds
+  dS into d_c2p[i, column[i - j]].
+Each table's gradient rows thus belong to one program (only p2p's, [H, 2L - 1], are shared across programs), and how
+a tile adds into them depends on its distances (`_add_to_table`, decided per tile from `RelativePositions.column_runs`,
+two prefix counts over the column vector): where none of the tile's distances shares its column with any other
+distance (no clipping or bucketing reaches them: all of v1 within its reach, v2/v3 below half the buckets), each
+entry is written by this tile alone, so dS is stored, no atomics; where the whole tile reads one column (clipped
+distances far from the diagonal), dS is summed per owned row first, one atomic per row; only between the two (log
+buckets that merge a few distances) is there an atomic per score.
 dS = P * (dP - rowsum(dO * O)) as in FlashAttention-2 (rowsum(dO * O), [B, H, L], comes from torch). The
 gradients of the tables are float32 buffers; torch autograd carries them on into q, k, Kr and Qr through the
 `position_table` products the wrapper made, so the kernel's arguments are exactly the eager reference's tables.
+
+Registers. Offsets within a (batch, head) plane are int32 from that plane's base pointers, the column of a tile is
+gathered once for c2p and p2c, v is loaded after the scores: at the tiles of `TILES` no kernel spills, and each asks
+for no more shared memory than its GPU has, on every target `python -m benchmarks.kernel_resources` compiles for (it
+reads the same table, and CI checks part of it).
 
 Never materialised, forward or backward: any [L, L] tensor (scores, probabilities, bias, index, dS, dropout mask).
 What exists is O(L): the [B, H, L, W] tables and their gradients (as in the flex backend), the [2L - 1] column
 vector, and two float32 [B, H, L] row statistics.
 
-Dropout (training) is decided inside the kernels by Philox (`tl.rand`) at counter ((b * H + h) * L + i) * L + j,
-with a seed drawn from torch's CPU generator per call (so `torch.manual_seed` makes it repeatable), and decided
-again identically in the backward. `dropout_keep_mask` writes the same decisions densely, for tests only.
+Dropout (training) is decided inside the kernels by Philox (`tl.rand`) keyed by seed + (b * H + h), at counter
+i * L + j (int32: up to 46,340 tokens), with a seed drawn from torch's CPU generator per call (so `torch.manual_seed`
+makes it repeatable), and decided again identically in the backward. `dropout_keep_mask` writes the same decisions
+densely, for tests only.
 
 Design choices. The position tables are made by torch (one einsum each) rather than inside the kernel, so that the
 kernel's inputs are the reference's, and autograd, not the kernel, owns the products into q, k, Kr and Qr; the
@@ -42,31 +53,34 @@ in float32 and scaled after (eager scales q first so that float16 cannot overflo
 use IEEE products (no TF32), matching torch's default for float32 matmuls.
 
 Where it runs (`kernel_fallback_reason`, asked by `sdpa_disentangled` on each call, which logs the reason at debug
-level when it falls back to its own blocked path): CUDA with compute capability 8.0 or more (not ROCm), float16,
-bfloat16 or float32, head sizes 32, 64 and 128, self-attention with position terms (plain attention stays with
-torch's own fused kernels), no mask or a boolean key mask [B, 1, 1, L]. A pair mask [B, 1, L, L] (a 3-D
-attention_mask) falls back. Everything else is the kernel's: c2p, p2c and p2p in any combination, share_att_key or
-not (only Kr and Qr differ), clipped distances and log buckets (only `column` differs), packed sequences (the model
-calls once per sequence, each with its own cut column vector), dropout.
+level when it falls back to its own blocked path): CUDA with compute capability 7.0 or more (8.0 for bfloat16; not
+ROCm), float16, bfloat16 or float32, head sizes 32, 64 and 128, self-attention with position terms (plain attention
+stays with torch's own fused kernels), no mask or a boolean key mask [B, 1, 1, L], where `tiles_for` has tiles for the
+GPU (a tuned profile in `triton_tiles.json`, else `TILES`). A pair mask [B, 1, L, L] (a 3-D attention_mask) falls back.
+Everything else is the kernel's: c2p, p2c and p2p in any combination, share_att_key or not (only Kr and Qr differ),
+clipped distances and log buckets (only `column` differs), packed sequences (the model calls once per sequence, each
+with its own cut column vector), dropout. A launch that fails all the same (an unlisted GPU: out of shared memory, a
+compiler error) raises KernelLaunchError before anything ran (in training the backward's kernels are compiled and
+loaded before the forward's launch); sdpa then serves the call and every later one of that GPU, dtype and head size,
+after one warning naming the GPU and the reason.
 
 Tests run the kernels in Triton's interpreter on the CPU, which must be on (TRITON_INTERPRET=1) when triton is
 imported: the kernels here, and triton.language's own jitted helpers, are decorated then. The interpreter multiplies
 bfloat16 in `tl.dot` as raw integers, so there the operands are widened to float32 first (`_dot`): the same exact
 products a tensor core makes.
 
-For a GPU session to measure and tune (nothing here is measured; tests run in the interpreter with 16 x 16 tiles):
-- forward and training step time against sdpa's blocked path (`_attend_in_blocks`) and compiled flex_attention,
-  at 128 ... 4096 tokens, D = 64 and 128, bfloat16, with and without padding and dropout;
-- `BLOCKS` per head size (BLOCK_M, BLOCK_N, num_warps, num_stages) on the target GPU, or a `triton.autotune` over
-  a few of them keyed on (L, D) (off in the interpreter); the gathers add register pressure that plain flash
-  attention does not have, so the best tiles may be smaller than FlashAttention's;
-- the cost of the atomics into d_c2p and d_p2c (one per score element each): if they dominate, accumulate a
-  tile's dS along its diagonals first (within a tile, i - j takes BLOCK_M + BLOCK_N - 1 values), or keep a
-  program's [BLOCK, W] gradient rows in shared memory where W is small;
-- peak memory (should stay linear in L) and that the fallback reasons never fire for the intended configs.
+For a GPU session to measure (nothing here is timed; tests run in the interpreter with 16 x 16 tiles): the kernels'
+time against sdpa's blocked path and the public DeBERTa kernels (`benchmarks.device_check`), the tiles per GPU
+(`benchmarks.tune_kernel`), and the atomics that remain between the "alone" and "one column" tiles at long lengths.
 """
 
 from __future__ import annotations
+
+import json
+import logging
+import warnings
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -79,6 +93,8 @@ try:  # optional: the Hub bundle and CPU installs run without it (sdpa serves th
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = tl = None
 
+logger = logging.getLogger(__name__)
+
 # Decorated at import, as triton's own helpers are: TRITON_INTERPRET (Triton's interpreter, for tests on the CPU) must
 # be set before triton is imported, since triton.language's jitted helpers (`tl.zeros`, `tl.rand`) are built then.
 _jit = triton.jit if triton is not None else (lambda function: function)
@@ -88,16 +104,95 @@ TRITON_AVAILABLE = triton is not None
 USE_TRITON = True  # sdpa_disentangled runs the kernel where `kernel_fallback_reason` allows; False turns it off
 HEAD_SIZES = (32, 64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_DROPOUT_LENGTH = 46_340  # dropout's Philox counter i * L + j is int32
 
-
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward and of the backward by head size: first choices for
-# Hopper and Ampere (FlashAttention's tiles, the backward's and D = 128's a step smaller for the gathers' registers),
-# to be tuned on a GPU. `triton_disentangled(..., blocks=...)` overrides them (the tests use 16 x 16 tiles).
-BLOCKS = {
-    32: {"forward": (128, 64, 4, 3), "backward": (64, 64, 4, 2)},
-    64: {"forward": (128, 64, 4, 3), "backward": (64, 64, 4, 2)},
-    128: {"forward": (128, 32, 8, 2), "backward": (64, 32, 8, 2)},
+# Tiles: (BLOCK_M query rows, BLOCK_N keys, num_warps, num_stages) of each kernel ("forward", and the backward's
+# "keys" and "queries" kernels), by compute capability, then by (precision, head size); precision is "half"
+# (float16 and bfloat16) or "float32". An entry None: that precision falls back to sdpa's path on that GPU (no tile
+# of a useful size fits its registers and shared memory). Chosen by `python -m benchmarks.kernel_resources`: the
+# largest tiles that compile without spilling (0 bytes of stack) and within the GPU's shared memory; a tuning run
+# on a GPU (`python -m benchmarks.tune_kernel`) writes faster ones to `triton_tiles.json`, which wins where it has
+# the GPU. The report reads this table too.
+_HALF_SM80 = {
+    32: {"forward": (64, 64, 4, 2), "keys": (32, 64, 4, 2), "queries": (64, 32, 4, 2)},
+    64: {"forward": (64, 64, 4, 2), "keys": (32, 64, 4, 2), "queries": (64, 32, 4, 2)},
+    128: {"forward": (64, 32, 4, 2), "keys": (32, 64, 8, 2), "queries": (64, 32, 8, 2)},
 }
+_FLOAT32_SM80 = {
+    32: {"forward": (32, 32, 4, 2), "keys": (32, 32, 4, 1), "queries": (32, 32, 4, 1)},
+    64: {"forward": (32, 32, 4, 2), "keys": (32, 32, 4, 1), "queries": (32, 32, 4, 1)},
+    128: {"forward": (32, 32, 4, 1), "keys": (32, 32, 8, 1), "queries": (32, 32, 8, 1)},
+}
+
+
+def _entries(half: dict, float32: dict | None) -> dict:
+    return {
+        **{("half", size): tiles for size, tiles in half.items()},
+        **{("float32", size): (float32 or {}).get(size) for size in half},
+    }
+
+
+TILES: dict[tuple[int, int], dict[tuple[str, int], dict[str, tuple[int, int, int, int]] | None]] = {
+    (7, 5): _entries(_HALF_SM80, _FLOAT32_SM80),  # Turing (T4): float16 and float32, 64 KB of shared memory
+    (8, 0): _entries(_HALF_SM80, _FLOAT32_SM80),  # A100, A800, A30
+    (8, 6): _entries(_HALF_SM80, _FLOAT32_SM80),  # A10, A40, RTX 30: 99 KB of shared memory
+    (8, 9): _entries(_HALF_SM80, _FLOAT32_SM80),  # L4, L40S, RTX 40: 99 KB
+    (9, 0): _entries(_HALF_SM80, _FLOAT32_SM80),  # H100, H200, H20
+}
+# Shared memory one block may ask for (bytes, opt-in maximum), by compute capability: the report's limit.
+SHARED_MEMORY = {(7, 0): 98_304, (7, 5): 65_536, (8, 0): 166_912, (8, 6): 101_376, (8, 7): 166_912, (8, 9): 101_376,
+                 (9, 0): 232_448}  # fmt: skip
+PROFILE_FILE = Path(__file__).with_name("triton_tiles.json")  # tuned tiles per GPU: benchmarks.tune_kernel
+
+
+def precision(dtype: torch.dtype) -> str:
+    return "float32" if dtype == torch.float32 else "half"
+
+
+def _tables_capability(capability: tuple[int, int]) -> tuple[int, int]:
+    """The TILES row for a GPU: its own, else the nearest listed one below it of the same major (8.7 takes 8.6's),
+    else the smallest-memory one (7.0 takes 7.5's; Blackwell and later 8.9's, until a tuning run lists them)."""
+    if capability in TILES:
+        return capability
+    below = [listed for listed in TILES if listed[0] == capability[0] and listed < capability]
+    if below:
+        return max(below)
+    return (7, 5) if capability < (7, 5) else (8, 9)
+
+
+def load_profiles(path: Path = PROFILE_FILE) -> list[dict]:
+    """The tuned tile profiles (benchmarks.tune_kernel): [{"gpu", "capability", "tiles": {"half/64": {phase:
+    tiles}}}]; none where the file is absent."""
+    if not path.is_file():
+        return []
+    return json.loads(path.read_text())["profiles"]
+
+
+_PROFILES: list[dict] | None = None
+
+
+def tiles_for(
+    capability: tuple[int, int], dtype: torch.dtype, head_size: int, gpu: str | None = None
+) -> dict[str, tuple[int, int, int, int]] | None:
+    """The tiles of each kernel on this GPU for `dtype` and `head_size`: a tuned profile for this GPU's name and
+    capability where `triton_tiles.json` has one, else TILES; None where this precision falls back on it."""
+    global _PROFILES
+    if _PROFILES is None:
+        _PROFILES = load_profiles()
+    key = f"{precision(dtype)}/{head_size}"
+    for profile in _PROFILES:
+        if profile["gpu"] == gpu and tuple(profile["capability"]) == tuple(capability) and key in profile["tiles"]:
+            return {phase: tuple(tiles) for phase, tiles in profile["tiles"][key].items()}
+    return TILES[_tables_capability(capability)].get((precision(dtype), head_size))
+
+
+# Launches that failed on a GPU (an unlisted GPU whose compiler or memory the tiles do not suit): (GPU name,
+# capability, dtype, head size) -> the reason. Each is warned about once, and sdpa's own path serves it afterwards.
+FAILED_LAUNCHES: dict[tuple, str] = {}
+
+
+def _device_facts(device: torch.device) -> tuple[str, tuple[int, int]]:
+    return torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
 
 
 def kernel_fallback_reason(
@@ -108,9 +203,13 @@ def kernel_fallback_reason(
     position_scores: PositionScores | None,
     device_type: str | None = None,
     triton_available: bool | None = None,
+    dropout: float = 0.0,
+    capability: tuple[int, int] | None = None,
+    gpu: str | None = None,
 ) -> str | None:
     """Why the Triton kernel cannot serve this call, or None when it can. Decides from facts only (shapes, dtypes,
-    device type), so that it runs on meta or CPU tensors with `device_type="cuda"` as well as on a GPU's."""
+    device type, the GPU's compute capability), so that it runs on meta or CPU tensors with `device_type="cuda"` and
+    a `capability` as well as on a GPU's."""
     device_type = device_type or query.device.type
     available = TRITON_AVAILABLE if triton_available is None else triton_available
     if not USE_TRITON:
@@ -121,8 +220,9 @@ def kernel_fallback_reason(
         return f"the Triton kernel runs on CUDA devices, not {device_type}"
     if torch.version.hip is not None:
         return "the Triton kernel is not tested on ROCm"
-    if query.device.type == "cuda":  # Volta and Turing (7.x) have float16 tensor cores, and no bfloat16
-        capability = torch.cuda.get_device_capability(query.device)
+    if capability is None and query.device.type == "cuda":
+        gpu, capability = _device_facts(query.device)
+    if capability is not None:  # Volta and Turing (7.x) have float16 tensor cores, and no bfloat16
         if capability < (7, 0) or (query.dtype == torch.bfloat16 and capability < (8, 0)):
             return f"the Triton kernel needs compute capability 7.0 (8.0 for bfloat16), not {capability}"
     if position_scores is None:
@@ -135,7 +235,40 @@ def kernel_fallback_reason(
         return "the Triton kernel takes self-attention with one length for queries, keys and positions"
     if attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.shape[-2] != 1):
         return "the Triton kernel takes a boolean key-padding mask [B, 1, 1, L], not a pair mask"
+    if dropout > 0 and query.shape[-2] > MAX_DROPOUT_LENGTH:
+        return f"the Triton kernel's dropout counts pairs in int32: at most {MAX_DROPOUT_LENGTH} tokens"
+    if capability is not None:
+        if tiles_for(capability, query.dtype, query.shape[-1], gpu) is None:
+            return (
+                f"no {precision(query.dtype)} tiles of head size {query.shape[-1]} fit compute capability "
+                f"{capability[0]}.{capability[1]} without spilling (triton_attention.TILES)"
+            )
+        failed = FAILED_LAUNCHES.get((gpu, tuple(capability), query.dtype, query.shape[-1]))
+        if failed is not None:
+            return f"the Triton kernel failed to launch on this GPU before: {failed}"
     return None
+
+
+class KernelLaunchError(RuntimeError):
+    """The Triton kernel could not be compiled or launched for this GPU (out of shared memory, registers, ...); the
+    call has not run, and `sdpa_disentangled` serves it with its own path."""
+
+
+def launch_failed(query: Tensor, error: Exception) -> None:
+    """Remember a failed launch for this GPU, dtype and head size, and warn once, naming the GPU and the reason."""
+    gpu, capability = _device_facts(query.device)
+    key = (gpu, tuple(capability), query.dtype, query.shape[-1])
+    reason = str(error.__cause__ or error)
+    if key not in FAILED_LAUNCHES:
+        FAILED_LAUNCHES[key] = reason
+        warnings.warn(
+            f"the Triton disentangled-attention kernel could not run on {gpu} (compute capability "
+            f"{capability[0]}.{capability[1]}) for {query.dtype} and head size {query.shape[-1]}: {reason}. "
+            "sdpa's own path serves these calls instead (slower on long inputs); report the GPU, or run "
+            "`python -m benchmarks.tune_kernel` on it to add tiles that fit.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def triton_disentangled(
@@ -155,79 +288,166 @@ def triton_disentangled(
     None. Returns the context [B, L, H, D] and no probabilities.
 
     The c2p and p2c tables are made here with torch, so that autograd carries their gradients on into q, k, Kr
-    and Qr; the kernel reads them tile by tile. `seed` fixes the dropout draw (tests); `blocks` overrides the tile
-    configuration (`BLOCKS[head_size]`; the tests use tiny tiles in the interpreter).
+    and Qr; the kernel reads them tile by tile. `seed` fixes the dropout draw (tests); `blocks` overrides the tiles
+    of each kernel (`tiles_for`; the tests use tiny tiles in the interpreter). Raises KernelLaunchError, before
+    anything ran, where the kernels cannot be compiled or launched on this GPU.
     """
-    c2p = p2c = p2p = column = None
+    c2p = p2c = p2p = column = runs = None
     if position_scores is not None:
         c2p, p2c, p2p = position_scores.c2p, position_scores.p2c, position_scores.p2p  # [B, H, L, W], [H, 2L - 1]
         column = position_scores.positions.int32_column  # [2L - 1]: the table column of i - j at i - j + L - 1
+        runs = position_scores.positions.column_runs  # [2, 2L]: which tiles share columns (table gradients)
     keep = attention_mask[:, 0, 0] if attention_mask is not None else None  # [B | 1, L]: True = attend
     if dropout > 0 and seed is None:
         seed = int(torch.randint(0, 2**31 - 1, ()))  # torch's CPU generator: no device sync, repeatable
-    blocks = blocks or BLOCKS[query.shape[-1]]
+    if blocks is None:
+        gpu, capability = _device_facts(query.device)
+        blocks = tiles_for(capability, query.dtype, query.shape[-1], gpu)
     context = TritonDisentangledAttention.apply(
-        query, key, value, c2p, p2c, p2p, column, keep, scaling, dropout, seed or 0, blocks
+        query, key, value, c2p, p2c, p2p, column, runs, keep, scaling, dropout, seed or 0, blocks
     )
     return context, None
 
 
+class Launch(NamedTuple):
+    """One kernel launch: the kernel, its grid, its arguments and its compile options (tiles, switches)."""
+
+    kernel: Any
+    grid: tuple[int, int]
+    args: tuple
+    options: dict
+
+    def __call__(self):
+        return self.kernel[self.grid](*self.args, **self.options)
+
+    def prepare(self) -> None:
+        """Compile for this GPU and check its resources (shared memory, threads), launching nothing."""
+        compiled = self.kernel.warmup(*self.args, grid=self.grid, **self.options)
+        compiled._init_handles()  # loads it for this GPU: where Triton raises OutOfResources (shared memory, threads)
+
+
+def forward_launch(inputs: tuple, outputs: tuple, scaling, dropout, seed, tiles) -> Launch:
+    """The forward kernel's launch. inputs: (q, k, v, c2p, p2c, p2p, column, runs, keep); outputs: (context [B, L,
+    H, D], row max and log row sum [B, H, L] float32)."""
+    query = inputs[0]
+    batch, heads, length, _ = query.shape
+    block_m, block_n, warps, stages = tiles["forward"]
+    context, row_max, log_sum = outputs
+    args = (
+        *_arguments(*inputs), context, *context.stride(), row_max, log_sum,
+        heads, length, scaling, dropout, seed, torch.finfo(query.dtype).min,
+    )  # fmt: skip
+    options = dict(_flags(*inputs, dropout), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    return Launch(_forward_kernel, (triton.cdiv(length, block_m), batch * heads), args, options)
+
+
+def backward_launches(
+    inputs: tuple, saved: tuple, grads: tuple, scaling, dropout, seed, tiles
+) -> tuple[Launch, Launch]:
+    """The two backward kernels' launches. saved: (dO, row max, log row sum, rowsum(dO * O)); grads: (dq, dk, dv
+    like q, k, v; d_c2p, d_p2c, d_p2p float32 zeros like the tables, or None)."""
+    query = inputs[0]
+    batch, heads, length, _ = query.shape
+    grad_context, row_max, log_sum, delta = saved
+    grad_query, grad_key, grad_value, grad_c2p, grad_p2c, grad_p2p = grads
+    common = (
+        *_arguments(*inputs), grad_context, *grad_context.stride(), row_max, log_sum, delta,
+        heads, length, scaling, dropout, seed, torch.finfo(query.dtype).min,
+    )  # fmt: skip
+    flags = _flags(*inputs, dropout)
+    block_m, block_n, warps, stages = tiles["keys"]
+    keys = Launch(
+        _backward_keys_kernel,
+        (triton.cdiv(length, block_n), batch * heads),
+        (*common, grad_key, *_strides(grad_key), grad_value, *_strides(grad_value),
+         grad_p2c, *_strides(grad_p2c), grad_p2p, *_strides(grad_p2p, 2)),
+        dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages),
+    )  # fmt: skip
+    block_m, block_n, warps, stages = tiles["queries"]
+    queries = Launch(
+        _backward_queries_kernel,
+        (triton.cdiv(length, block_m), batch * heads),
+        (*common, grad_query, *_strides(grad_query), grad_c2p, *_strides(grad_c2p)),
+        dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages),
+    )
+    return keys, queries
+
+
 class TritonDisentangledAttention(torch.autograd.Function):
-    """softmax(scaling q kᵀ + c2p + p2c [+ p2p], key mask), dropout, @ v, by the kernels above; see the module
+    """softmax(scaling q kᵀ + c2p + p2c [+ p2p], key mask), dropout, @ v, by the kernels below; see the module
     docstring. Inputs q, k, v [B, H, L, D] (any strides), tables [B, H, L, W] or None, p2p [H, 2L - 1] or None,
-    column int32 [2L - 1], keep bool [B | 1, L] or None. Returns the context [B, L, H, D]."""
+    column int32 [2L - 1], runs int32 [2, 2L], keep bool [B | 1, L] or None. Returns the context [B, L, H, D]."""
 
     @staticmethod
-    def forward(ctx, query, key, value, c2p, p2c, p2p, column, keep, scaling, dropout, seed, blocks):
+    def forward(ctx, query, key, value, c2p, p2c, p2p, column, runs, keep, scaling, dropout, seed, blocks):
         batch, heads, length, dim = query.shape
-        block_m, block_n, warps, stages = blocks["forward"]
+        inputs = (query, key, value, c2p, p2c, p2p, column, runs, keep)
         context = query.new_empty(batch, length, heads, dim)
         row_max = query.new_empty(batch, heads, length, dtype=torch.float32)
         log_sum = torch.empty_like(row_max)
-        grid = (triton.cdiv(length, block_m), batch * heads)
-        _forward_kernel[grid](
-            *_arguments(query, key, value, c2p, p2c, p2p, column, keep),
-            context, *context.stride(), row_max, log_sum,
-            heads, length, scaling, dropout, seed, torch.finfo(query.dtype).min,
-            **_flags(query, c2p, p2c, p2p, keep, dropout),
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
-        )  # fmt: skip
-        ctx.save_for_backward(query, key, value, c2p, p2c, p2p, column, keep, context, row_max, log_sum)
+        launch = forward_launch(inputs, (context, row_max, log_sum), scaling, dropout, seed, blocks)
+        try:
+            if not INTERPRETED and any(ctx.needs_input_grad):  # the backward's kernels must fit this GPU too
+                _prepare_backward(inputs, (context, row_max, log_sum), scaling, dropout, seed, blocks)
+            launch()
+        except Exception as error:  # OutOfResources, a compiler or driver error: nothing has run yet
+            if INTERPRETED:
+                raise
+            raise KernelLaunchError(f"{type(error).__name__}: {error}") from error
+        ctx.save_for_backward(*inputs, context, row_max, log_sum)
         ctx.scaling, ctx.dropout, ctx.seed, ctx.blocks = scaling, dropout, seed, blocks
         return context
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_context):
-        query, key, value, c2p, p2c, p2p, column, keep, context, row_max, log_sum = ctx.saved_tensors
-        batch, heads, length, dim = query.shape
-        block_m, block_n, warps, stages = ctx.blocks["backward"]
+        *inputs, context, row_max, log_sum = ctx.saved_tensors
+        query, key, value, c2p, p2c, p2p = inputs[:6]
         # rowsum(dO * O) = rowsum(P * dP), [B, H, L]; O includes dropout, so this holds with it too
         delta = (grad_context.float() * context.float()).sum(-1).transpose(1, 2).contiguous()
-        grad_query, grad_key, grad_value = (torch.empty_like(t) for t in (query, key, value))
-        grad_c2p, grad_p2c, grad_p2p = (
-            torch.zeros(t.shape, dtype=torch.float32, device=t.device) if t is not None else None
-            for t in (c2p, p2c, p2p)
-        )
-        common = (
-            *_arguments(query, key, value, c2p, p2c, p2p, column, keep),
-            grad_context, *grad_context.stride(), row_max, log_sum, delta,
-            heads, length, ctx.scaling, ctx.dropout, ctx.seed, torch.finfo(query.dtype).min,
+        grads = (
+            *(torch.empty_like(t) for t in (query, key, value)),
+            *(torch.zeros(t.shape, dtype=torch.float32, device=t.device) if t is not None else None
+              for t in (c2p, p2c, p2p)),
         )  # fmt: skip
-        flags = _flags(query, c2p, p2c, p2p, keep, ctx.dropout)
-        _backward_keys_kernel[(triton.cdiv(length, block_n), batch * heads)](
-            *common, grad_key, *_strides(grad_key), grad_value, *_strides(grad_value), grad_p2c, *_strides(grad_p2c),
-            grad_p2p, *_strides(grad_p2p, 2), **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
-        )  # fmt: skip
-        _backward_queries_kernel[(triton.cdiv(length, block_m), batch * heads)](
-            *common, grad_query, *_strides(grad_query), grad_c2p, *_strides(grad_c2p),
-            **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
-        )  # fmt: skip
+        for launch in backward_launches(
+            tuple(inputs),
+            (grad_context, row_max, log_sum, delta),
+            grads,
+            ctx.scaling,
+            ctx.dropout,
+            ctx.seed,
+            ctx.blocks,
+        ):
+            launch()
+        grad_query, grad_key, grad_value, grad_c2p, grad_p2c, grad_p2p = grads
         grad_c2p, grad_p2c, grad_p2p = (
             grad.to(t.dtype) if grad is not None else None
             for grad, t in ((grad_c2p, c2p), (grad_p2c, p2c), (grad_p2p, p2p))
         )
-        return grad_query, grad_key, grad_value, grad_c2p, grad_p2c, grad_p2p, None, None, None, None, None, None
+        return (grad_query, grad_key, grad_value, grad_c2p, grad_p2c, grad_p2p) + (None,) * 7
+
+
+_PREPARED: set = set()  # the backward kernels compiled and checked for a GPU, dtype, head size, switches and tiles
+
+
+def _prepare_backward(inputs: tuple, outputs: tuple, scaling, dropout, seed, tiles) -> None:
+    """Compile the backward's kernels for this call and check that this GPU can launch them, once per kind of call,
+    so that a kernel that cannot run fails in the forward, where sdpa's path can still take the call. The gradient
+    buffers are stand-ins (dtype and contiguous strides are what the compiler specialises on)."""
+    query = inputs[0]
+    key = (query.device, query.dtype, query.shape[-1], tuple(sorted(_flags(*inputs, dropout).items())),
+           tuple(sorted(tiles.items())))  # fmt: skip
+    if key in _PREPARED:
+        return
+    from triton.runtime.jit import MockTensor
+
+    float32 = (MockTensor(torch.float32, list(t.shape)) if t is not None else None for t in inputs[3:6])
+    grads = (query, inputs[1], inputs[2], *float32)  # dq, dk, dv are allocated like q, k, v
+    context, row_max, log_sum = outputs
+    for launch in backward_launches(inputs, (context, row_max, log_sum, row_max), grads, scaling, dropout, seed, tiles):
+        launch.prepare()
+    _PREPARED.add(key)
 
 
 def _strides(tensor: Tensor | None, count: int = 4) -> tuple[int, ...]:
@@ -235,20 +455,21 @@ def _strides(tensor: Tensor | None, count: int = 4) -> tuple[int, ...]:
     return tuple(tensor.stride()) if tensor is not None else (0,) * count
 
 
-def _arguments(query, key, value, c2p, p2c, p2p, column, keep) -> tuple:
+def _arguments(query, key, value, c2p, p2c, p2p, column, runs, keep) -> tuple:
     """The inputs every kernel reads, each followed by its strides."""
     # tables [B, H, L, W]: strides of (b, h, row, column); p2p [H, 2L - 1]; keep [B | 1, L] (batch stride 0 if 1)
     keep_strides = (
         keep.stride(0) if keep is not None and keep.shape[0] > 1 else 0,
         keep.stride(1) if keep is not None else 0,
     )
+    shared, changes = (runs[0], runs[1]) if runs is not None else (None, None)
     return (
         query, *_strides(query), key, *_strides(key), value, *_strides(value),
-        c2p, *_strides(c2p), p2c, *_strides(p2c), p2p, *_strides(p2p, 2), column, keep, *keep_strides,
+        c2p, *_strides(c2p), p2c, *_strides(p2c), p2p, *_strides(p2p, 2), column, shared, changes, keep, *keep_strides,
     )  # fmt: skip
 
 
-def _flags(query: Tensor, c2p, p2c, p2p, keep, dropout: float) -> dict:
+def _flags(query: Tensor, key, value, c2p, p2c, p2p, column, runs, keep, dropout: float) -> dict:
     """The compile-time switches: which terms, mask, dropout; head size; IEEE float32 products (no TF32); see `_dot`."""
     return dict(
         HAS_C2P=c2p is not None,
@@ -273,7 +494,22 @@ def dropout_keep_mask(shape: tuple[int, int, int, int], dropout: float, seed: in
     return keep.bool()
 
 
-# The kernels. Without triton they stay plain functions that nothing calls.
+def table_tile_kinds(runs: Tensor, length: int, block_m: int, block_n: int) -> list[str]:
+    """How the backward adds each tile's dS into the position tables' gradients (`_table_tile_kind`, in Python):
+    "alone" (plain stores), "one column" (summed per row, one atomic each) or "atomics". For tests."""
+    shared, changes = runs.tolist()
+    kinds = []
+    for i0 in range(0, length, block_m):
+        for j0 in range(0, length, block_n):
+            lo = i0 - (min(j0 + block_n, length) - 1) + length - 1
+            hi = min(i0 + block_m, length) - 1 - j0 + length - 1
+            alone, one = shared[hi + 1] == shared[lo], changes[hi] == changes[lo]
+            kinds.append("one column" if one else "alone" if alone else "atomics")
+    return kinds
+
+
+# The kernels. Without triton they stay plain functions that nothing calls. Offsets inside a (batch, head) plane are
+# int32 from that plane's base pointers (an int32 [M, N] tile costs half the registers of a tile of 64-bit pointers).
 
 
 @_jit
@@ -287,45 +523,48 @@ def _dot(a, b, PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
 
 @_jit
 def _kept(seed, plane, rows, cols, length, dropout):
-    """Dropout's decision for each (i, j) of a tile: Philox at counter (plane * L + i) * L + j (int64)."""
-    offsets = (plane * length + rows[:, None]) * length + cols[None, :]
-    return tl.rand(seed, offsets) >= dropout
+    """Dropout's decision for each (i, j) of a tile: Philox keyed by seed + plane, at counter i * L + j (int32)."""
+    return tl.rand(seed + plane, rows[:, None] * length + cols[None, :]) >= dropout
 
 
 @_jit
 def _scores_tile(
-    q, k, rows, cols, b, h, length, scaling, masked,
-    c2p, c2p_b, c2p_h, c2p_l, c2p_w, p2c, p2c_b, p2c_h, p2c_l, p2c_w, p2p, p2p_h, p2p_d,
-    column, keep, keep_b, keep_l,
+    q, k, rows, cols, attend, length, scaling, masked,
+    C2P, c2p_l, c2p_w, P2C, p2c_l, p2c_w, P2P, p2p_d, Column,
     HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_P2P: tl.constexpr, HAS_MASK: tl.constexpr,
     PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
 ):  # fmt: skip
-    """A_ij for rows x cols, float32 [BLOCK_M, BLOCK_N]: masked keys finfo.min (as eager), keys past L -inf."""
+    """A_ij for rows x cols, float32 [BLOCK_M, BLOCK_N]: masked keys finfo.min (as eager), keys past L -inf. The
+    table pointers are this plane's; `attend` is the key mask of cols."""
     inside = (rows[:, None] < length) & (cols[None, :] < length)
     distance = rows[:, None] - cols[None, :] + length - 1  # i - j + L - 1
-    c2c = _dot(q, tl.trans(k), PRECISION, WIDEN_DOTS) * scaling  # q_i . k_j
-    scores = c2c
+    scores = _dot(q, tl.trans(k), PRECISION, WIDEN_DOTS) * scaling  # c2c: q_i . k_j
     if HAS_C2P or HAS_P2C:
-        r = tl.load(column + distance, mask=inside, other=0)  # δ(i, j)'s table column
-        if HAS_C2P:  # q_i . Kr[δ(i,j)]
-            c2p_rows = c2p + b * c2p_b + h * c2p_h + rows[:, None] * c2p_l
-            scores += tl.load(c2p_rows + r * c2p_w, mask=inside, other=0.0).to(tl.float32)
-        if HAS_P2C:  # k_j . Qr[δ(i,j)]
-            p2c_rows = p2c + b * p2c_b + h * p2c_h + cols[None, :] * p2c_l
-            scores += tl.load(p2c_rows + r * p2c_w, mask=inside, other=0.0).to(tl.float32)
-    if HAS_P2P:  # Qr[δ(i,j)] . Kr[δ(j,i)], by distance
-        scores += tl.load(p2p + h * p2p_h + distance * p2p_d, mask=inside, other=0.0).to(tl.float32)
+        r = tl.load(Column + distance, mask=inside, other=0)  # δ(i, j)'s table column, once for both terms
+        if HAS_C2P:  # c2p: q_i . Kr[δ(i,j)]
+            scores += tl.load(C2P + (rows[:, None] * c2p_l + r * c2p_w), mask=inside, other=0.0).to(tl.float32)
+        if HAS_P2C:  # p2c: k_j . Qr[δ(i,j)]
+            scores += tl.load(P2C + (cols[None, :] * p2c_l + r * p2c_w), mask=inside, other=0.0).to(tl.float32)
+    if HAS_P2P:  # p2p: Qr[δ(i,j)] . Kr[δ(j,i)], by distance
+        scores += tl.load(P2P + distance * p2p_d, mask=inside, other=0.0).to(tl.float32)
     if HAS_MASK:
-        attend = tl.load(keep + b * keep_b + cols * keep_l, mask=cols < length, other=0) != 0
         scores = tl.where(attend[None, :], scores, masked)
     return tl.where(cols[None, :] < length, scores, float("-inf"))
+
+
+@_jit
+def _key_mask(Keep, keep_l, cols, length, HAS_MASK: tl.constexpr):
+    """The key mask of cols (True = attend), from this batch row's mask; all True without one."""
+    if HAS_MASK:
+        return tl.load(Keep + cols * keep_l, mask=cols < length, other=0) != 0
+    return cols < length
 
 
 @_jit
 def _forward_kernel(
     Q, q_b, q_h, q_l, q_d, K, k_b, k_h, k_l, k_d, V, v_b, v_h, v_l, v_d,
     C2P, c2p_b, c2p_h, c2p_l, c2p_w, P2C, p2c_b, p2c_h, p2c_l, p2c_w, P2P, p2p_h, p2p_d,
-    Column, Keep, keep_b, keep_l,
+    Column, Shared, Changes, Keep, keep_b, keep_l,
     Out, o_b, o_l, o_h, o_d, RowMax, LogSum,
     heads, length, scaling, dropout, seed, masked,
     HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_P2P: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -334,22 +573,32 @@ def _forward_kernel(
 ):  # fmt: skip
     plane = tl.program_id(1).to(tl.int64)  # b * H + h
     b, h = plane // heads, plane % heads
+    Q += b * q_b + h * q_h  # this plane's base pointers; offsets within it are int32
+    K += b * k_b + h * k_h
+    V += b * v_b + h * v_h
+    if HAS_C2P:  # (an absent input is None, and its code compiled out)
+        C2P += b * c2p_b + h * c2p_h
+    if HAS_P2C:
+        P2C += b * p2c_b + h * p2c_h
+    if HAS_P2P:
+        P2P += h * p2p_h
+    if HAS_MASK:
+        Keep += b * keep_b
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     valid = rows[:, None] < length
-    q = tl.load(Q + b * q_b + h * q_h + rows[:, None] * q_l + dims[None, :] * q_d, mask=valid, other=0.0)
+    q = tl.load(Q + (rows[:, None] * q_l + dims[None, :] * q_d), mask=valid, other=0.0)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for start in range(0, length, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         in_keys = cols[:, None] < length
-        k = tl.load(K + b * k_b + h * k_h + cols[:, None] * k_l + dims[None, :] * k_d, mask=in_keys, other=0.0)
-        v = tl.load(V + b * v_b + h * v_h + cols[:, None] * v_l + dims[None, :] * v_d, mask=in_keys, other=0.0)
+        k = tl.load(K + (cols[:, None] * k_l + dims[None, :] * k_d), mask=in_keys, other=0.0)
+        attend = _key_mask(Keep, keep_l, cols, length, HAS_MASK)
         scores = _scores_tile(
-            q, k, rows, cols, b, h, length, scaling, masked,
-            C2P, c2p_b, c2p_h, c2p_l, c2p_w, P2C, p2c_b, p2c_h, p2c_l, p2c_w, P2P, p2p_h, p2p_d,
-            Column, Keep, keep_b, keep_l, HAS_C2P, HAS_P2C, HAS_P2P, HAS_MASK, PRECISION, WIDEN_DOTS,
+            q, k, rows, cols, attend, length, scaling, masked, C2P, c2p_l, c2p_w, P2C, p2c_l, p2c_w, P2P, p2p_d,
+            Column, HAS_C2P, HAS_P2C, HAS_P2P, HAS_MASK, PRECISION, WIDEN_DOTS,
         )  # fmt: skip
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         rescale = tl.exp(row_max - new_max)  # the earlier tiles' terms, to the new max
@@ -357,30 +606,29 @@ def _forward_kernel(
         row_sum = row_sum * rescale + tl.sum(p, 1)  # the normaliser counts dropped entries too
         if HAS_DROPOUT:
             p = tl.where(_kept(seed, plane, rows, cols, length, dropout), p, 0.0)
+        v = tl.load(V + (cols[:, None] * v_l + dims[None, :] * v_d), mask=in_keys, other=0.0)
         acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, PRECISION, WIDEN_DOTS)
         row_max = new_max
     acc = acc / row_sum[:, None]
     if HAS_DROPOUT:
         acc = acc / (1.0 - dropout)
-    out = Out + b * o_b + h * o_h + rows[:, None] * o_l + dims[None, :] * o_d  # [B, L, H, D]
-    tl.store(out, acc.to(Out.dtype.element_ty), mask=valid)
+    Out += b * o_b + h * o_h  # [B, L, H, D]
+    tl.store(Out + (rows[:, None] * o_l + dims[None, :] * o_d), acc.to(Out.dtype.element_ty), mask=valid)
     tl.store(RowMax + plane * length + rows, row_max, mask=rows < length)
     tl.store(LogSum + plane * length + rows, tl.log(row_sum), mask=rows < length)
 
 
 @_jit
 def _probabilities_tile(
-    q, k, v, do, rows, cols, b, h, plane, row_max, log_sum, delta, length, scaling, masked, dropout, seed,
-    C2P, c2p_b, c2p_h, c2p_l, c2p_w, P2C, p2c_b, p2c_h, p2c_l, p2c_w, P2P, p2p_h, p2p_d,
-    Column, Keep, keep_b, keep_l,
+    q, k, v, do, rows, cols, attend, plane, row_max, log_sum, delta, length, scaling, masked, dropout, seed,
+    C2P, c2p_l, c2p_w, P2C, p2c_l, p2c_w, P2P, p2p_d, Column,
     HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_P2P: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
 ):  # fmt: skip
     """A tile's P after dropout (what multiplied v, without 1 / (1 - p)) and dS, both float32 [M, N]."""
     scores = _scores_tile(
-        q, k, rows, cols, b, h, length, scaling, masked,
-        C2P, c2p_b, c2p_h, c2p_l, c2p_w, P2C, p2c_b, p2c_h, p2c_l, p2c_w, P2P, p2p_h, p2p_d,
-        Column, Keep, keep_b, keep_l, HAS_C2P, HAS_P2C, HAS_P2P, HAS_MASK, PRECISION, WIDEN_DOTS,
+        q, k, rows, cols, attend, length, scaling, masked, C2P, c2p_l, c2p_w, P2C, p2c_l, p2c_w, P2P, p2p_d,
+        Column, HAS_C2P, HAS_P2C, HAS_P2P, HAS_MASK, PRECISION, WIDEN_DOTS,
     )  # fmt: skip
     p = tl.exp((scores - row_max[:, None]) - log_sum[:, None])  # the forward's softmax, exactly
     p = tl.where(rows[:, None] < length, p, 0.0)
@@ -392,16 +640,52 @@ def _probabilities_tile(
         grad_p = tl.where(keep_ij, grad_p / (1.0 - dropout), 0.0)
     grad_scores = p * (grad_p - delta[:, None])  # dS, softmax's backward
     if HAS_MASK:  # masked scores are constants (masked_fill): no gradient, also in a fully masked row
-        attend = tl.load(Keep + b * keep_b + cols * keep_l, mask=cols < length, other=0) != 0
         grad_scores = tl.where(attend[None, :], grad_scores, 0.0)
     return dropped, grad_scores
+
+
+@_jit
+def _add_to_table(
+    Grad, grad_l, grad_w, grad_scores, rows, cols, first_row, first_col, length, Column, Shared, Changes,
+    BY_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Add a tile's dS into a table's gradient, this plane's: d_c2p[i, δ(i,j)] (BY_ROWS: the queries' program owns
+    rows i) or d_p2c[j, δ(i,j)] (the keys' program owns rows j). A program owns its rows' entries; within them,
+    where the tile's distances [lo, hi] share no column with any other distance, each entry is this tile's alone:
+    plain stores. Where they all read one column: summed per owned row, one atomic each. Otherwise (buckets or
+    clipping merge some of them): an atomic per score."""
+    last_row, last_col = tl.minimum(first_row + BLOCK_M, length) - 1, tl.minimum(first_col + BLOCK_N, length) - 1
+    lo, hi = first_row - last_col + length - 1, last_row - first_col + length - 1  # the tile's distances, + L - 1
+    alone = tl.load(Shared + hi + 1) == tl.load(Shared + lo)
+    one_column = tl.load(Changes + hi) == tl.load(Changes + lo)
+    inside = (rows[:, None] < length) & (cols[None, :] < length)
+    if one_column:
+        only = tl.load(Column + lo)
+        if BY_ROWS:
+            tl.atomic_add(
+                Grad + (rows * grad_l + only * grad_w), tl.sum(grad_scores, 1), mask=rows < length, sem="relaxed"
+            )
+        else:
+            tl.atomic_add(
+                Grad + (cols * grad_l + only * grad_w), tl.sum(grad_scores, 0), mask=cols < length, sem="relaxed"
+            )
+    else:
+        r = tl.load(Column + (rows[:, None] - cols[None, :] + length - 1), mask=inside, other=0)
+        if BY_ROWS:
+            target = Grad + (rows[:, None] * grad_l + r * grad_w)
+        else:
+            target = Grad + (cols[None, :] * grad_l + r * grad_w)
+        if alone:
+            tl.store(target, grad_scores, mask=inside)
+        else:
+            tl.atomic_add(target, grad_scores, mask=inside, sem="relaxed")
 
 
 @_jit
 def _backward_keys_kernel(
     Q, q_b, q_h, q_l, q_d, K, k_b, k_h, k_l, k_d, V, v_b, v_h, v_l, v_d,
     C2P, c2p_b, c2p_h, c2p_l, c2p_w, P2C, p2c_b, p2c_h, p2c_l, p2c_w, P2P, p2p_h, p2p_d,
-    Column, Keep, keep_b, keep_l,
+    Column, Shared, Changes, Keep, keep_b, keep_l,
     DO, do_b, do_l, do_h, do_d, RowMax, LogSum, Delta,
     heads, length, scaling, dropout, seed, masked,
     DK, dk_b, dk_h, dk_l, dk_d, DV, dv_b, dv_h, dv_l, dv_d, DP2C, dp2c_b, dp2c_h, dp2c_l, dp2c_w, DP2P, dp2p_h, dp2p_d,
@@ -412,49 +696,72 @@ def _backward_keys_kernel(
     """dk, dv of BLOCK_N keys over all queries; dS into d_p2c's rows of these keys (and d_p2p)."""
     plane = tl.program_id(1).to(tl.int64)
     b, h = plane // heads, plane % heads
+    Q += b * q_b + h * q_h
+    K += b * k_b + h * k_h
+    V += b * v_b + h * v_h
+    if HAS_C2P:  # (an absent input is None, and its code compiled out)
+        C2P += b * c2p_b + h * c2p_h
+    if HAS_P2C:
+        P2C += b * p2c_b + h * p2c_h
+    if HAS_P2P:
+        P2P += h * p2p_h
+    if HAS_MASK:
+        Keep += b * keep_b
+    DO += b * do_b + h * do_h
+    if HAS_P2C:
+        DP2C += b * dp2c_b + h * dp2c_h
+    if HAS_P2P:
+        DP2P += h * dp2p_h
+    RowMax += plane * length
+    LogSum += plane * length
+    Delta += plane * length
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     in_keys = cols[:, None] < length
-    k = tl.load(K + b * k_b + h * k_h + cols[:, None] * k_l + dims[None, :] * k_d, mask=in_keys, other=0.0)
-    v = tl.load(V + b * v_b + h * v_h + cols[:, None] * v_l + dims[None, :] * v_d, mask=in_keys, other=0.0)
+    k = tl.load(K + (cols[:, None] * k_l + dims[None, :] * k_d), mask=in_keys, other=0.0)
+    v = tl.load(V + (cols[:, None] * v_l + dims[None, :] * v_d), mask=in_keys, other=0.0)
+    attend = _key_mask(Keep, keep_l, cols, length, HAS_MASK)
     grad_k = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     grad_v = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for start in range(0, length, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         valid = rows[:, None] < length
-        q = tl.load(Q + b * q_b + h * q_h + rows[:, None] * q_l + dims[None, :] * q_d, mask=valid, other=0.0)
-        do = tl.load(DO + b * do_b + h * do_h + rows[:, None] * do_l + dims[None, :] * do_d, mask=valid, other=0.0)
-        row_max = tl.load(RowMax + plane * length + rows, mask=rows < length, other=0.0)
-        log_sum = tl.load(LogSum + plane * length + rows, mask=rows < length, other=0.0)
-        delta = tl.load(Delta + plane * length + rows, mask=rows < length, other=0.0)
+        q = tl.load(Q + (rows[:, None] * q_l + dims[None, :] * q_d), mask=valid, other=0.0)
+        do = tl.load(DO + (rows[:, None] * do_l + dims[None, :] * do_d), mask=valid, other=0.0)
+        row_max = tl.load(RowMax + rows, mask=rows < length, other=0.0)
+        log_sum = tl.load(LogSum + rows, mask=rows < length, other=0.0)
+        delta = tl.load(Delta + rows, mask=rows < length, other=0.0)
         dropped, grad_scores = _probabilities_tile(
-            q, k, v, do, rows, cols, b, h, plane, row_max, log_sum, delta, length, scaling, masked, dropout, seed,
-            C2P, c2p_b, c2p_h, c2p_l, c2p_w, P2C, p2c_b, p2c_h, p2c_l, p2c_w, P2P, p2p_h, p2p_d,
-            Column, Keep, keep_b, keep_l, HAS_C2P, HAS_P2C, HAS_P2P, HAS_MASK, HAS_DROPOUT, PRECISION, WIDEN_DOTS,
+            q, k, v, do, rows, cols, attend, plane, row_max, log_sum, delta, length, scaling, masked, dropout, seed,
+            C2P, c2p_l, c2p_w, P2C, p2c_l, p2c_w, P2P, p2p_d, Column,
+            HAS_C2P, HAS_P2C, HAS_P2P, HAS_MASK, HAS_DROPOUT, PRECISION, WIDEN_DOTS,
         )  # fmt: skip
         grad_v += _dot(tl.trans(dropped).to(do.dtype), do, PRECISION, WIDEN_DOTS)
         grad_k += _dot(tl.trans(grad_scores).to(q.dtype), q, PRECISION, WIDEN_DOTS)
-        inside = (rows[:, None] < length) & (cols[None, :] < length)
-        distance = rows[:, None] - cols[None, :] + length - 1
-        if HAS_P2C:  # p2c[j, column[i - j]] received dS[i, j]; several i of a column share an entry
-            r = tl.load(Column + distance, mask=inside, other=0)
-            target = DP2C + b * dp2c_b + h * dp2c_h + cols[None, :] * dp2c_l + r * dp2c_w
-            tl.atomic_add(target, grad_scores, mask=inside, sem="relaxed")
+        if HAS_P2C:  # p2c[j, δ(i,j)] received dS[i, j]
+            _add_to_table(
+                DP2C, dp2c_l, dp2c_w, grad_scores, rows, cols, start, tl.program_id(0) * BLOCK_N, length,
+                Column, Shared, Changes, False, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
         if HAS_P2P:  # p2p[h, i - j + L - 1] received dS[i, j], from every batch row and tile
-            tl.atomic_add(DP2P + h * dp2p_h + distance * dp2p_d, grad_scores, mask=inside, sem="relaxed")
-    grad_key = DK + b * dk_b + h * dk_h + cols[:, None] * dk_l + dims[None, :] * dk_d
-    tl.store(grad_key, (grad_k * scaling).to(DK.dtype.element_ty), mask=in_keys)
+            inside = (rows[:, None] < length) & (cols[None, :] < length)
+            distance = rows[:, None] - cols[None, :] + length - 1
+            tl.atomic_add(DP2P + distance * dp2p_d, grad_scores, mask=inside, sem="relaxed")
+    DK += b * dk_b + h * dk_h
+    tl.store(
+        DK + (cols[:, None] * dk_l + dims[None, :] * dk_d), (grad_k * scaling).to(DK.dtype.element_ty), mask=in_keys
+    )
     if HAS_DROPOUT:
         grad_v = grad_v / (1.0 - dropout)
-    grad_value = DV + b * dv_b + h * dv_h + cols[:, None] * dv_l + dims[None, :] * dv_d
-    tl.store(grad_value, grad_v.to(DV.dtype.element_ty), mask=in_keys)
+    DV += b * dv_b + h * dv_h
+    tl.store(DV + (cols[:, None] * dv_l + dims[None, :] * dv_d), grad_v.to(DV.dtype.element_ty), mask=in_keys)
 
 
 @_jit
 def _backward_queries_kernel(
     Q, q_b, q_h, q_l, q_d, K, k_b, k_h, k_l, k_d, V, v_b, v_h, v_l, v_d,
     C2P, c2p_b, c2p_h, c2p_l, c2p_w, P2C, p2c_b, p2c_h, p2c_l, p2c_w, P2P, p2p_h, p2p_d,
-    Column, Keep, keep_b, keep_l,
+    Column, Shared, Changes, Keep, keep_b, keep_l,
     DO, do_b, do_l, do_h, do_d, RowMax, LogSum, Delta,
     heads, length, scaling, dropout, seed, masked,
     DQ, dq_b, dq_h, dq_l, dq_d, DC2P, dc2p_b, dc2p_h, dc2p_l, dc2p_w,
@@ -465,11 +772,25 @@ def _backward_queries_kernel(
     """dq of BLOCK_M queries over all keys; dS into d_c2p's rows of these queries."""
     plane = tl.program_id(1).to(tl.int64)
     b, h = plane // heads, plane % heads
+    Q += b * q_b + h * q_h
+    K += b * k_b + h * k_h
+    V += b * v_b + h * v_h
+    if HAS_C2P:  # (an absent input is None, and its code compiled out)
+        C2P += b * c2p_b + h * c2p_h
+    if HAS_P2C:
+        P2C += b * p2c_b + h * p2c_h
+    if HAS_P2P:
+        P2P += h * p2p_h
+    if HAS_MASK:
+        Keep += b * keep_b
+    DO += b * do_b + h * do_h
+    if HAS_C2P:
+        DC2P += b * dc2p_b + h * dc2p_h
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     valid = rows[:, None] < length
-    q = tl.load(Q + b * q_b + h * q_h + rows[:, None] * q_l + dims[None, :] * q_d, mask=valid, other=0.0)
-    do = tl.load(DO + b * do_b + h * do_h + rows[:, None] * do_l + dims[None, :] * do_d, mask=valid, other=0.0)
+    q = tl.load(Q + (rows[:, None] * q_l + dims[None, :] * q_d), mask=valid, other=0.0)
+    do = tl.load(DO + (rows[:, None] * do_l + dims[None, :] * do_d), mask=valid, other=0.0)
     row_max = tl.load(RowMax + plane * length + rows, mask=rows < length, other=0.0)
     log_sum = tl.load(LogSum + plane * length + rows, mask=rows < length, other=0.0)
     delta = tl.load(Delta + plane * length + rows, mask=rows < length, other=0.0)
@@ -477,21 +798,22 @@ def _backward_queries_kernel(
     for start in range(0, length, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         in_keys = cols[:, None] < length
-        k = tl.load(K + b * k_b + h * k_h + cols[:, None] * k_l + dims[None, :] * k_d, mask=in_keys, other=0.0)
-        v = tl.load(V + b * v_b + h * v_h + cols[:, None] * v_l + dims[None, :] * v_d, mask=in_keys, other=0.0)
+        k = tl.load(K + (cols[:, None] * k_l + dims[None, :] * k_d), mask=in_keys, other=0.0)
+        v = tl.load(V + (cols[:, None] * v_l + dims[None, :] * v_d), mask=in_keys, other=0.0)
+        attend = _key_mask(Keep, keep_l, cols, length, HAS_MASK)
         _, grad_scores = _probabilities_tile(
-            q, k, v, do, rows, cols, b, h, plane, row_max, log_sum, delta, length, scaling, masked, dropout, seed,
-            C2P, c2p_b, c2p_h, c2p_l, c2p_w, P2C, p2c_b, p2c_h, p2c_l, p2c_w, P2P, p2p_h, p2p_d,
-            Column, Keep, keep_b, keep_l, HAS_C2P, HAS_P2C, HAS_P2P, HAS_MASK, HAS_DROPOUT, PRECISION, WIDEN_DOTS,
+            q, k, v, do, rows, cols, attend, plane, row_max, log_sum, delta, length, scaling, masked, dropout, seed,
+            C2P, c2p_l, c2p_w, P2C, p2c_l, p2c_w, P2P, p2p_d, Column,
+            HAS_C2P, HAS_P2C, HAS_P2P, HAS_MASK, HAS_DROPOUT, PRECISION, WIDEN_DOTS,
         )  # fmt: skip
         grad_q += _dot(grad_scores.to(k.dtype), k, PRECISION, WIDEN_DOTS)
-        if HAS_C2P:  # c2p[i, column[i - j]] received dS[i, j]; several j of a row share a column
-            inside = (rows[:, None] < length) & (cols[None, :] < length)
-            r = tl.load(Column + rows[:, None] - cols[None, :] + length - 1, mask=inside, other=0)
-            target = DC2P + b * dc2p_b + h * dc2p_h + rows[:, None] * dc2p_l + r * dc2p_w
-            tl.atomic_add(target, grad_scores, mask=inside, sem="relaxed")
-    grad_query = DQ + b * dq_b + h * dq_h + rows[:, None] * dq_l + dims[None, :] * dq_d
-    tl.store(grad_query, (grad_q * scaling).to(DQ.dtype.element_ty), mask=valid)
+        if HAS_C2P:  # c2p[i, δ(i,j)] received dS[i, j]
+            _add_to_table(
+                DC2P, dc2p_l, dc2p_w, grad_scores, rows, cols, tl.program_id(0) * BLOCK_M, start, length,
+                Column, Shared, Changes, True, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+    DQ += b * dq_b + h * dq_h
+    tl.store(DQ + (rows[:, None] * dq_l + dims[None, :] * dq_d), (grad_q * scaling).to(DQ.dtype.element_ty), mask=valid)
 
 
 @_jit

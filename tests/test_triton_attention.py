@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import logging
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -35,7 +37,7 @@ from disentangled.modeling.disentangled_attention import (  # noqa: E402
     head_scaling,
 )
 
-TILES = {"forward": (16, 16, 1, 1), "backward": (16, 16, 1, 1)}
+TILES = {"forward": (16, 16, 1, 1), "keys": (16, 16, 1, 1), "queries": (16, 16, 1, 1)}
 
 
 INTERPRETED = triton_attention.INTERPRETED  # this process was started with TRITON_INTERPRET=1
@@ -170,6 +172,7 @@ CASES = {  # name: Case arguments; with 16 x 16 tiles every length is ragged
     ),
     "p2p-only-clipped-d32": dict(length=17, dim=32, terms=("p2p",), buckets=(4, 0, 0)),
     "no-terms-padded-d64": dict(length=17, dim=64, terms=(), mask="padded"),
+    "both-clipped-far-padded-d32": dict(length=40, dim=32, buckets=(4, 0, 0), mask="padded"),
 }
 
 
@@ -284,8 +287,108 @@ def test_dispatch_takes_the_kernel_on_cuda_and_names_each_fallback(monkeypatch):
     assert "head sizes" in reason(*facts(dim=48), **cuda)
     assert "float64" in reason(*facts(dtype=torch.float64), **cuda)
     assert "no position terms" in reason(*facts(terms=False), **cuda)
+    for capability in triton_attention.TILES:  # every GPU of the table takes every precision it has tiles for
+        for dim in (32, 64, 128):
+            for dtype in (torch.float16, torch.float32) + ((torch.bfloat16,) if capability >= (8, 0) else ()):
+                tiles = triton_attention.tiles_for(capability, dtype, dim)
+                said = reason(*facts(dim=dim, dtype=dtype), capability=capability, **cuda)
+                assert (said is None) == (tiles is not None), (capability, dim, dtype, said)
+    assert "(8.0 for bfloat16)" in reason(*facts(), capability=(7, 5), **cuda)
+    assert "int32" in reason(*facts(length=50_000), dropout=0.1, **cuda)
+    assert reason(*facts(length=50_000), **cuda) is None  # without dropout any length
+    monkeypatch.setitem(triton_attention.FAILED_LAUNCHES, ("A GPU", (9, 0), torch.bfloat16, 64), "out of resource")
+    assert "failed to launch" in reason(*facts(), capability=(9, 0), gpu="A GPU", **cuda)
+    assert reason(*facts(), capability=(9, 0), gpu="Another GPU", **cuda) is None
     monkeypatch.setattr(triton_attention, "USE_TRITON", False)
     assert "USE_TRITON" in reason(*facts(), **cuda)
+
+
+def test_tiles_per_gpu_from_the_table_and_a_tuned_profile(tmp_path, monkeypatch):
+    """`tiles_for` reads TILES by compute capability (an unlisted one takes a listed neighbour's), and a tuned
+    profile for the GPU's name and capability wins over it; every listed entry names the three kernels' tiles."""
+    for capability, entries in triton_attention.TILES.items():
+        for (precision, dim), tiles in entries.items():
+            assert precision in ("half", "float32") and dim in triton_attention.HEAD_SIZES
+            if tiles is not None:
+                assert set(tiles) == {"forward", "keys", "queries"}, (capability, precision, dim)
+                assert all(len(t) == 4 and all(isinstance(n, int) and n > 0 for n in t) for t in tiles.values())
+    monkeypatch.setattr(triton_attention, "_PROFILES", [])
+    table = triton_attention.TILES
+    assert triton_attention.tiles_for((8, 7), torch.bfloat16, 64) == table[(8, 6)][("half", 64)]
+    assert triton_attention.tiles_for((7, 0), torch.float16, 64) == table[(7, 5)][("half", 64)]
+    assert triton_attention.tiles_for((12, 0), torch.bfloat16, 128) == table[(8, 9)][("half", 128)]
+    tuned = {"forward": [32, 32, 4, 1], "keys": [16, 16, 4, 1], "queries": [16, 32, 4, 1]}
+    path = tmp_path / "triton_tiles.json"
+    path.write_text(
+        json.dumps({"profiles": [{"gpu": "NVIDIA H200", "capability": [9, 0], "tiles": {"half/64": tuned}}]})
+    )
+    monkeypatch.setattr(triton_attention, "_PROFILES", triton_attention.load_profiles(path))
+    expected = {phase: tuple(tiles) for phase, tiles in tuned.items()}
+    assert triton_attention.tiles_for((9, 0), torch.bfloat16, 64, "NVIDIA H200") == expected
+    assert triton_attention.tiles_for((9, 0), torch.float16, 64, "NVIDIA H200") == expected  # "half": both
+    assert triton_attention.tiles_for((9, 0), torch.bfloat16, 64, "NVIDIA H100") == table[(9, 0)][("half", 64)]
+    assert triton_attention.tiles_for((9, 0), torch.bfloat16, 128, "NVIDIA H200") == table[(9, 0)][("half", 128)]
+    assert triton_attention.load_profiles(tmp_path / "absent.json") == []
+
+
+def test_failed_launch_falls_back_once_with_a_warning(monkeypatch, caplog):
+    """A GPU that cannot launch the kernel (simulated: the launch raises Triton's OutOfResources): sdpa's own path
+    serves the call with the same result, one warning names the GPU and the reason, and later calls do not try."""
+    from triton.runtime.errors import OutOfResources
+
+    reason = triton_attention.kernel_fallback_reason
+    tries = []
+
+    def out_of_shared_memory(self):
+        tries.append(self.kernel)
+        raise OutOfResources(262_144, 232_448, "shared memory")
+
+    monkeypatch.setattr(triton_attention, "_device_facts", lambda device: ("A small GPU", (9, 0)))
+    monkeypatch.setattr(triton_attention, "FAILED_LAUNCHES", {})
+    monkeypatch.setattr(triton_attention, "INTERPRETED", False)  # the failure path of a real GPU
+    monkeypatch.setattr(triton_attention.Launch, "__call__", out_of_shared_memory)
+    monkeypatch.setattr(triton_attention.Launch, "prepare", out_of_shared_memory)
+    monkeypatch.setattr(
+        sdpa_attention,
+        "kernel_fallback_reason",
+        lambda *args, **kwargs: reason(*args, device_type="cuda", capability=(9, 0), gpu="A small GPU", **kwargs),
+    )
+    case = Case(length=17, dim=32, mask="padded")
+    expected = case.run(eager_disentangled)
+    with pytest.warns(RuntimeWarning, match="A small GPU.*out of resource: shared memory") as warned:
+        actual = case.run(sdpa_attention.sdpa_disentangled)
+    assert_matches(case, expected, actual)
+    assert len(tries) == 1 and len(warned) == 1
+    with caplog.at_level(logging.DEBUG, logger=sdpa_attention.__name__), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        again = case.run(sdpa_attention.sdpa_disentangled)
+    assert_matches(case, expected, again)
+    assert len(tries) == 1  # not tried again
+    assert any("failed to launch on this GPU before" in record.getMessage() for record in caplog.records)
+
+
+def test_table_tile_kinds_match_the_columns():
+    """How the backward adds a tile's dS into the tables' gradients, from the prefix counts (`column_runs`), against
+    the column vector read directly: "alone" where the tile's distances read distinct columns that no other
+    distance reads, "one column" where the tile reads a single column; the test cases reach all three."""
+    seen = set()
+    for name, arguments in CASES.items():
+        length = arguments["length"]
+        positions = RelativePositions.build(length, *arguments.get("buckets", (8, 0, 0)), "cpu")
+        column = positions.column.tolist()
+        kinds = iter(triton_attention.table_tile_kinds(positions.column_runs, length, 16, 16))
+        for i0 in range(0, length, 16):
+            for j0 in range(0, length, 16):
+                distances = {i - j + length - 1 for i in range(i0, min(i0 + 16, length))
+                             for j in range(j0, min(j0 + 16, length))}  # fmt: skip
+                columns = [column[d] for d in distances]
+                outside = {column[d] for d in range(2 * length - 1) if d not in distances}
+                alone = len(set(columns)) == len(columns) and not outside & set(columns)
+                expected = "one column" if len(set(columns)) == 1 else "alone" if alone else "atomics"
+                kind = next(kinds)
+                assert kind == expected, (name, i0, j0, kind, expected)
+                seen.add(kind)
+    assert seen == {"alone", "one column", "atomics"}
 
 
 def test_cpu_never_takes_the_kernel(monkeypatch, caplog):
