@@ -25,7 +25,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks import accelerate, demo, pretrain
+from benchmarks import accelerate, demo, kernel_resources, pretrain
 from benchmarks.explain_terms import markdown_tables
 from benchmarks.records import RECORDS, read_records
 
@@ -553,6 +553,14 @@ def generate(records: Path = RECORDS) -> tuple[dict[Path, str], dict[Path, dict]
     if transfers:  # the pretraining page's transfer tables and figure: per corpus, the newest run that had it
         body = "\n\n".join(provenance(record) + "\n\n" + pretrain.markdown(record["figures"]) for record in transfers)
         sections += [(Path("docs/pretraining.md"), "transfer", body)]
+    # docs/performance.md: what the compiler makes of the Triton kernels per GPU (registers, stack, shared memory)
+    sections += [
+        (
+            Path("docs/performance.md"),
+            "kernel-resources",
+            kernel_resources.section(read_records("kernel_resources", records)),
+        )
+    ]
     # docs/libraries.md: libraries' DeBERTa models accelerated against not, newest run per processor, device, dtype
     sections += [(Path("docs/libraries.md"), "libraries", accelerate.section(read_records("accelerate", records)))]
     texts = {}
