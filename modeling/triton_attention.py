@@ -113,31 +113,34 @@ MAX_DROPOUT_LENGTH = 46_340  # dropout's Philox counter i * L + j is int32
 # largest tiles that compile without spilling (0 bytes of stack) and within the GPU's shared memory; a tuning run
 # on a GPU (`python -m benchmarks.tune_kernel`) writes faster ones to `triton_tiles.json`, which wins where it has
 # the GPU. The report reads this table too.
-_HALF_SM80 = {
-    32: {"forward": (64, 64, 4, 2), "keys": (32, 64, 4, 2), "queries": (64, 32, 4, 2)},
-    64: {"forward": (64, 64, 4, 2), "keys": (32, 64, 4, 2), "queries": (64, 32, 4, 2)},
-    128: {"forward": (64, 32, 4, 2), "keys": (32, 64, 8, 2), "queries": (64, 32, 8, 2)},
+_AMPERE = {  # sm_80, sm_86, sm_89: the same instructions; tiles within the 99 KB of sm_86 and sm_89
+    ("half", 32): {"forward": (64, 64, 8, 2), "keys": (64, 32, 8, 2), "queries": (128, 32, 8, 2)},
+    ("half", 64): {"forward": (64, 64, 8, 2), "keys": (64, 32, 8, 1), "queries": (64, 32, 8, 2)},
+    ("half", 128): {"forward": (64, 64, 8, 2), "keys": (64, 32, 8, 1), "queries": (64, 64, 8, 2)},
+    ("float32", 32): {"forward": (32, 32, 4, 2), "keys": (32, 32, 8, 1), "queries": (64, 32, 8, 2)},
+    ("float32", 64): {"forward": (32, 32, 4, 2), "keys": (32, 32, 8, 1), "queries": (64, 32, 8, 2)},
+    ("float32", 128): None,  # the keys kernel spills down to 16 x 16 (no released DeBERTa has head size 128)
 }
-_FLOAT32_SM80 = {
-    32: {"forward": (32, 32, 4, 2), "keys": (32, 32, 4, 1), "queries": (32, 32, 4, 1)},
-    64: {"forward": (32, 32, 4, 2), "keys": (32, 32, 4, 1), "queries": (32, 32, 4, 1)},
-    128: {"forward": (32, 32, 4, 1), "keys": (32, 32, 8, 1), "queries": (32, 32, 8, 1)},
-}
-
-
-def _entries(half: dict, float32: dict | None) -> dict:
-    return {
-        **{("half", size): tiles for size, tiles in half.items()},
-        **{("float32", size): (float32 or {}).get(size) for size in half},
-    }
-
-
 TILES: dict[tuple[int, int], dict[tuple[str, int], dict[str, tuple[int, int, int, int]] | None]] = {
-    (7, 5): _entries(_HALF_SM80, _FLOAT32_SM80),  # Turing (T4): float16 and float32, 64 KB of shared memory
-    (8, 0): _entries(_HALF_SM80, _FLOAT32_SM80),  # A100, A800, A30
-    (8, 6): _entries(_HALF_SM80, _FLOAT32_SM80),  # A10, A40, RTX 30: 99 KB of shared memory
-    (8, 9): _entries(_HALF_SM80, _FLOAT32_SM80),  # L4, L40S, RTX 40: 99 KB
-    (9, 0): _entries(_HALF_SM80, _FLOAT32_SM80),  # H100, H200, H20
+    (7, 5): {  # Turing (T4): float16 and float32; 64 KB of shared memory
+        ("half", 32): {"forward": (128, 32, 8, 2), "keys": (64, 64, 8, 2), "queries": (64, 32, 8, 2)},
+        ("half", 64): {"forward": (32, 32, 4, 2), "keys": (32, 32, 8, 1), "queries": (16, 32, 4, 1)},
+        ("half", 128): {"forward": (16, 32, 4, 1), "keys": (32, 16, 4, 1), "queries": (16, 16, 8, 1)},
+        ("float32", 32): {"forward": (64, 64, 8, 2), "keys": (32, 32, 8, 1), "queries": (64, 64, 8, 2)},
+        ("float32", 64): {"forward": (32, 32, 4, 2), "keys": (32, 32, 8, 1), "queries": (64, 32, 8, 2)},
+        ("float32", 128): None,
+    },
+    (8, 0): _AMPERE,  # A100, A800, A30
+    (8, 6): _AMPERE,  # A10, A40, RTX 30
+    (8, 9): _AMPERE,  # L4, L40S, RTX 40
+    (9, 0): {  # H100, H200, H20
+        ("half", 32): {"forward": (64, 64, 8, 2), "keys": (32, 64, 8, 2), "queries": (128, 32, 8, 2)},
+        ("half", 64): {"forward": (64, 64, 8, 2), "keys": (32, 64, 8, 2), "queries": (128, 32, 8, 2)},
+        ("half", 128): {"forward": (64, 64, 8, 2), "keys": (32, 16, 4, 1), "queries": (128, 32, 8, 2)},
+        ("float32", 32): {"forward": (64, 64, 8, 2), "keys": (32, 32, 8, 1), "queries": (64, 32, 8, 2)},
+        ("float32", 64): {"forward": (32, 32, 4, 1), "keys": (32, 32, 8, 1), "queries": (64, 32, 8, 2)},
+        ("float32", 128): None,
+    },
 }
 # Shared memory one block may ask for (bytes, opt-in maximum), by compute capability: the report's limit.
 SHARED_MEMORY = {(7, 0): 98_304, (7, 5): 65_536, (8, 0): 166_912, (8, 6): 101_376, (8, 7): 166_912, (8, 9): 101_376,
