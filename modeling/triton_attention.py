@@ -113,7 +113,7 @@ MAX_DROPOUT_LENGTH = 46_340  # dropout's Philox counter i * L + j is int32
 # largest tiles that compile without spilling (0 bytes of stack) and within the GPU's shared memory; a tuning run
 # on a GPU (`python -m benchmarks.tune_kernel`) writes faster ones to `triton_tiles.json`, which wins where it has
 # the GPU. The report reads this table too.
-_AMPERE = {  # sm_80, sm_86, sm_89: the same instructions; tiles within the 99 KB of sm_86 and sm_89
+_AMPERE = {  # sm_80 (and the start of sm_86 / sm_89's, whose ptxas allocates registers differently)
     ("half", 32): {"forward": (64, 64, 8, 2), "keys": (64, 32, 8, 2), "queries": (128, 32, 8, 2)},
     ("half", 64): {"forward": (64, 64, 8, 2), "keys": (64, 32, 8, 1), "queries": (64, 32, 8, 2)},
     ("half", 128): {"forward": (64, 64, 8, 2), "keys": (64, 32, 8, 1), "queries": (64, 64, 8, 2)},
@@ -121,18 +121,24 @@ _AMPERE = {  # sm_80, sm_86, sm_89: the same instructions; tiles within the 99 K
     ("float32", 64): {"forward": (32, 32, 4, 2), "keys": (32, 32, 8, 1), "queries": (64, 32, 8, 2)},
     ("float32", 128): None,  # the keys kernel spills down to 16 x 16 (no released DeBERTa has head size 128)
 }
+_SM86 = {  # sm_86, sm_89: 99 KB of shared memory; where sm_80's tiles spill there, the next ones that do not
+    **_AMPERE,
+    ("half", 32): {"forward": (64, 64, 8, 2), "keys": (64, 32, 8, 1), "queries": (128, 32, 8, 2)},
+    ("half", 128): {"forward": (64, 32, 8, 2), "keys": (64, 32, 8, 1), "queries": (64, 32, 8, 2)},
+    ("float32", 64): {"forward": (32, 32, 4, 1), "keys": (32, 32, 8, 1), "queries": (32, 32, 8, 1)},
+}
 TILES: dict[tuple[int, int], dict[tuple[str, int], dict[str, tuple[int, int, int, int]] | None]] = {
     (7, 5): {  # Turing (T4): float16 and float32; 64 KB of shared memory
-        ("half", 32): {"forward": (128, 32, 8, 2), "keys": (64, 64, 8, 2), "queries": (64, 32, 8, 2)},
+        ("half", 32): {"forward": (128, 32, 8, 2), "keys": (64, 32, 8, 2), "queries": (64, 32, 8, 2)},
         ("half", 64): {"forward": (32, 32, 4, 2), "keys": (32, 32, 8, 1), "queries": (16, 32, 4, 1)},
-        ("half", 128): {"forward": (16, 32, 4, 1), "keys": (32, 16, 4, 1), "queries": (16, 16, 8, 1)},
+        ("half", 128): {"forward": (16, 32, 4, 1), "keys": (32, 16, 8, 1), "queries": (16, 16, 8, 1)},
         ("float32", 32): {"forward": (64, 64, 8, 2), "keys": (32, 32, 8, 1), "queries": (64, 64, 8, 2)},
         ("float32", 64): {"forward": (32, 32, 4, 2), "keys": (32, 32, 8, 1), "queries": (64, 32, 8, 2)},
         ("float32", 128): None,
     },
     (8, 0): _AMPERE,  # A100, A800, A30
-    (8, 6): _AMPERE,  # A10, A40, RTX 30
-    (8, 9): _AMPERE,  # L4, L40S, RTX 40
+    (8, 6): _SM86,  # A10, A40, RTX 30
+    (8, 9): _SM86,  # L4, L40S, RTX 40
     (9, 0): {  # H100, H200, H20
         ("half", 32): {"forward": (64, 64, 8, 2), "keys": (32, 64, 8, 2), "queries": (128, 32, 8, 2)},
         ("half", 64): {"forward": (64, 64, 8, 2), "keys": (32, 64, 8, 2), "queries": (128, 32, 8, 2)},
