@@ -277,6 +277,8 @@ def main(argv: list[str] | None = None) -> dict:
             if checkpoint:
                 logger.info("resuming from %s", checkpoint)
         train_result = trainer.train(resume_from_checkpoint=checkpoint)
+        if trainer.is_fsdp_enabled:  # FSDP's checkpoints stay sharded; the saved folder holds the whole model
+            trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
         trainer.save_model()  # the model and the tokenizer, on the main process
         if trainer.is_world_process_zero():
             add_remote_code(trainer.model, training_args.output_dir)

@@ -1,0 +1,172 @@
+"""Sharded training on 2 CPU processes (gloo): FSDP2 and DeepSpeed ZeRO-3, launched by `accelerate launch` with the
+config files in examples/accelerate/, compared with one process on the same global batches.
+
+Each 2-process run takes 4 sequences per process and step, the one-process run 8; dropout is off, so both compute the
+same function of the same examples and differ only in float32 rounding (sums in another order). `tests/cpu_sharding.py`
+lets accelerate take FSDP and DeepSpeed on CPU processes and records, per process, the loss of every batch at full
+precision and the parameter elements the process holds.
+
+Tolerances, from float32 (unit roundoff 2^-24, one ulp at 1 is EPS = 2^-23):
+- a loss: the one-process loss of a step against the mean of the two processes' losses, within LOSS_ULPS ulps of it;
+- a weight after the steps: within WEIGHT_ATOL = 64 ulps at 1, the scale of the LayerNorm weights. Three Adam steps
+  round each weight three times (a few ulps); the rest is the gradient's rounding, which Adam passes on relative to
+  the step (lr = 1e-3 here, so an ulp-sized relative change of the gradient moves a weight by far less than an ulp).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from finetune_helpers import SCRIPT, pretrained_folder, sentiment_files
+from test_distributed import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+SHIM = Path(__file__).with_name("cpu_sharding.py")
+CONFIGS = {
+    "fsdp2": REPO / "examples" / "accelerate" / "fsdp2.yaml",
+    "zero3": REPO / "examples" / "accelerate" / "zero3.yaml",
+}
+EPS = 2.0**-23
+LOSS_ULPS = 16
+WEIGHT_ATOL = 64 * EPS
+NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux", reason="gloo process groups on 2 CPU processes: Linux only in CI"
+)
+
+
+def launch(engine: str | None, target: list[str], record: Path, cwd: Path, timeout: int = 600) -> str:
+    """Run `target` (a script and its arguments, or `-m module ...`) on 2 processes under `engine`'s config, or in one
+    plain process (engine None); returns the log. Every process records to `record`.RANK.json."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "SHARDED_RECORD": str(record)}
+    if engine is None:
+        command = [sys.executable, str(SHIM), *target]
+    else:
+        command = [
+            sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS[engine]),
+            "--main_process_port", str(free_port()), str(SHIM), *target,
+        ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-6000:]
+    return log
+
+
+def records(record: Path, processes: int) -> list[dict]:
+    return [json.loads(Path(f"{record}.{rank}.json").read_text()) for rank in range(processes)]
+
+
+def step_losses(runs: list[dict]) -> list[float]:
+    """The loss of each step over the global batch: the mean of the processes' losses (equal halves)."""
+    return [sum(values) / len(values) for values in zip(*(run["losses"] for run in runs))]
+
+
+def assert_losses_equal(sharded: list[float], reference: list[float]) -> float:
+    assert len(sharded) == len(reference)
+    worst = max(abs(a - b) for a, b in zip(sharded, reference))
+    assert worst <= LOSS_ULPS * EPS * max(map(abs, reference)), (sharded, reference)
+    return worst
+
+
+def assert_sharded(runs: list[dict], engine: str) -> None:
+    """Each process holds about half the elements (ZeRO-3 pads each parameter to a multiple of the processes)."""
+    total = runs[0]["total"]
+    assert all(run["total"] == total for run in runs)
+    assert all(run["local"] <= total / 2 + 64 * total / 1000 for run in runs), runs
+    assert sum(run["local"] for run in runs) >= total
+    kind = "dtensor" if engine == "fsdp2" else "zero3"
+    assert all(run[kind] > 0 for run in runs), runs  # the engine's own parameter type
+
+
+def assert_sharded_checkpoint(checkpoint: Path, engine: str) -> None:
+    """The optimizer states are saved per process: FSDP2's distributed checkpoint folders, ZeRO-3's partitions."""
+    if engine == "fsdp2":
+        assert (checkpoint / "pytorch_model_fsdp_0").is_dir() and (checkpoint / "optimizer_0").is_dir()
+        assert not (checkpoint / "model.safetensors").exists()
+    else:
+        for rank in range(2):
+            assert (checkpoint / "global_step2" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").is_file()
+
+
+def max_weight_difference(first: dict, second: dict) -> float:
+    assert set(first) == set(second)
+    return max((first[name].float() - second[name].float()).abs().max().item() for name in first)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Fine-tuning: examples/finetune.py, our classifier
+
+
+def finetune_args(root: Path, output: Path, batch: int, *extra: str) -> list[str]:
+    return [
+        str(SCRIPT), "--model_name_or_path", str(root / "model"), "--trust_remote_code",
+        "--train_file", str(root / "train.csv"), "--output_dir", str(output), "--do_train", "--max_steps", "3",
+        "--learning_rate", "1e-3", "--per_device_train_batch_size", str(batch), "--logging_steps", "1",
+        "--seed", "0", "--report_to", "none", "--disable_tqdm", "true", "--log_level", "warning", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def finetune_reference(tmp_path_factory):
+    """The model to fine-tune, the data, and one process's run on batches of 8: (root, records, saved weights)."""
+    from transformers import AutoModelForSequenceClassification
+
+    import disentangled  # noqa: F401
+
+    root = tmp_path_factory.mktemp("finetune")
+    pretrained_folder(root / "model", **NO_DROPOUT)
+    sentiment_files(root, train=16, validation=8)
+    launch(None, finetune_args(root, root / "one", 8, "--save_strategy", "no"), root / "one-record", root)
+    model = AutoModelForSequenceClassification.from_pretrained(root / "one")
+    return root, records(root / "one-record", 1), model.state_dict()
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
+def test_finetuning_sharded_equals_one_process(finetune_reference, tmp_path, engine):
+    """Losses and updated weights equal to one process's; each process holds half the parameters; a sharded
+    checkpoint resumes to the same next loss; the saved folder loads in a plain process with the same outputs."""
+    from transformers import AutoModelForSequenceClassification
+
+    import disentangled  # noqa: F401
+
+    root, reference, reference_weights = finetune_reference
+    output = tmp_path / "out"
+    save = ["--save_strategy", "steps", "--save_steps", "2"]
+    launch(engine, finetune_args(root, output, 4, *save), tmp_path / "record", tmp_path)
+    runs = records(tmp_path / "record", 2)
+    assert_sharded(runs, engine)
+    loss_difference = assert_losses_equal(step_losses(runs), reference[0]["losses"])
+
+    saved = AutoModelForSequenceClassification.from_pretrained(output)
+    weight_difference = max_weight_difference(saved.state_dict(), reference_weights)
+    assert weight_difference <= WEIGHT_ATOL
+    one = AutoModelForSequenceClassification.from_pretrained(root / "one")
+    batch = {
+        "input_ids": torch.tensor([[1, 5, 9, 13, 2], [1, 7, 2, 0, 0]]),
+        "attention_mask": torch.tensor([[1] * 5, [1, 1, 1, 0, 0]]),
+    }
+    with torch.no_grad():
+        assert (saved(**batch).logits - one(**batch).logits).abs().max() <= WEIGHT_ATOL
+
+    # resume from the sharded checkpoint of step 2: step 3 as in the uninterrupted run
+    checkpoint = output / "checkpoint-2"
+    assert_sharded_checkpoint(checkpoint, engine)
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(checkpoint, resumed / "checkpoint-2")
+    launch(engine, finetune_args(root, resumed, 4, "--save_strategy", "no"), tmp_path / "resumed-record", tmp_path)
+    after = records(tmp_path / "resumed-record", 2)
+    assert len(after[0]["losses"]) == 1 and after[0]["step"] == 3
+    assert abs(step_losses(after)[0] - step_losses(runs)[2]) <= LOSS_ULPS * EPS
+    print(
+        f"{engine} fine-tuning: largest loss difference {loss_difference:.2e}, weights {weight_difference:.2e}; "
+        f"parameters per process {[run['local'] for run in runs]} of {runs[0]['total']}"
+    )
