@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from finetune_helpers import SCRIPT, pretrained_folder, sentiment_files
+from pretraining_helpers import pretrain_args
 from test_distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,3 +171,92 @@ def test_finetuning_sharded_equals_one_process(finetune_reference, tmp_path, eng
         f"{engine} fine-tuning: largest loss difference {loss_difference:.2e}, weights {weight_difference:.2e}; "
         f"parameters per process {[run['local'] for run in runs]} of {runs[0]['total']}"
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Pretraining: `disentangled pretrain`, RTD with GDES and MLM with the Enhanced Mask Decoder
+
+PRETRAIN_JOBS = {"rtd": ["--generator-layers", "1"], "mlm": ["--objective", "mlm", "--enhanced-mask-decoder"]}
+PRETRAIN_FOLDERS = {"rtd": ["discriminator", "generator"], "mlm": ["."]}
+
+
+def pretrain_command(root: Path, output: Path, batch: int, job: str, *extra: str) -> list[str]:
+    """`-m disentangled.cli pretrain ...` on the tiny inputs of tests/pretraining_helpers.py (dropout off), 3 steps."""
+    args = pretrain_args(root, output, "--logging-steps", "1", "--save-strategy", "no", *PRETRAIN_JOBS[job], steps=3)
+    args.remove("--use_cpu")  # as on GPUs: the shim makes the processes CPU ones
+    args[args.index("--per-device-train-batch-size") + 1] = str(batch)
+    return ["-m", "disentangled.cli", *args, *extra]
+
+
+def folder_weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def pretrain_reference(tmp_path_factory):
+    """One process's run of each job on batches of 8, made when first asked for: job -> (root, records)."""
+    runs = {}
+
+    def reference(job: str):
+        if job not in runs:
+            root = tmp_path_factory.mktemp(f"pretrain-{job}")
+            launch(None, pretrain_command(root, root / "one", 8, job), root / "one-record", root)
+            runs[job] = root, records(root / "one-record", 1)
+        return runs[job]
+
+    return reference
+
+
+@pytest.mark.parametrize("job", ["rtd", "mlm"])
+@pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
+def test_pretraining_sharded_equals_one_process(pretrain_reference, tmp_path, engine, job):
+    """The masks and the generator's samples are drawn per sequence and the losses are means over the step's tokens
+    (disentangled.sequence_draws), so 2 processes on 4 sequences each compute what one computes on 8: the same
+    losses, and saved folders with the same weights. For RTD, E_delta trained: the discriminator's word table (E_G +
+    E_delta, merged on export) is not the generator's."""
+    root, reference = pretrain_reference(job)
+    output = tmp_path / "out"
+    launch(engine, pretrain_command(root, output, 4, job), tmp_path / "record", tmp_path)
+    runs = records(tmp_path / "record", 2)
+    assert_sharded(runs, engine)
+    loss_difference = assert_losses_equal(step_losses(runs), reference[0]["losses"])
+    weight_difference = 0.0
+    for folder in PRETRAIN_FOLDERS[job]:
+        weights = folder_weights(output / folder)
+        weight_difference = max(
+            weight_difference, max_weight_difference(weights, folder_weights(root / "one" / folder))
+        )
+    assert weight_difference <= WEIGHT_ATOL
+    if job == "rtd":
+        table = "deberta.embeddings.word_embeddings.weight"
+        delta = folder_weights(output / "discriminator")[table] - folder_weights(output / "generator")[table]
+        assert delta.abs().max() > 100 * WEIGHT_ATOL  # E_delta moved away from zero
+    print(
+        f"{engine} {job} pretraining: largest loss difference {loss_difference:.2e}, weights {weight_difference:.2e}; "
+        f"parameters per process {[run['local'] for run in runs]} of {runs[0]['total']}"
+    )
+
+
+def test_a_wrap_policy_that_parts_a_table_from_its_reader_is_refused(tmp_path):
+    """Wrapping every nn.Embedding apart from the modules that read their tables outside their forward (the encoder
+    its relative positions, the MLM head and GDES the word table): the run stops when training starts, naming the
+    option and the fix, instead of torch's "mixed torch.Tensor and DTensor" error mid-step."""
+    command = pretrain_command(tmp_path, tmp_path / "out", 4, "rtd")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS["fsdp2"]),
+            "--fsdp_transformer_layer_cls_to_wrap", "Embedding,DisentangledLayer", "--main_process_port", str(free_port()), str(SHIM), *command,
+        ],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    log = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert (
+        "fsdp_transformer_layer_cls_to_wrap" in log and "fsdp_transformer_layer_cls_to_wrap: DisentangledLayer" in log
+    )
+    for table in ("encoder.rel_embeddings (the relative", "word_embeddings (GDES", "word_embeddings (the word table"):
+        assert table in log, log[-3000:]
+    assert "mixed torch.Tensor and DTensor" not in log
