@@ -44,7 +44,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def launch(engine: str | None, target: list[str], record: Path, cwd: Path, timeout: int = 600) -> str:
+def launch(
+    engine: str | None, target: list[str], record: Path, cwd: Path, options: list[str] = (), timeout: int = 600
+) -> str:
     """Run `target` (a script and its arguments, or `-m module ...`) on 2 processes under `engine`'s config, or in one
     plain process (engine None); returns the log. Every process records to `record`.RANK.json."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "SHARDED_RECORD": str(record)}
@@ -53,7 +55,7 @@ def launch(engine: str | None, target: list[str], record: Path, cwd: Path, timeo
     else:
         command = [
             sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS[engine]),
-            "--main_process_port", str(free_port()), str(SHIM), *target,
+            *options, "--main_process_port", str(free_port()), str(SHIM), *target,
         ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
     log = result.stdout + result.stderr
@@ -260,3 +262,32 @@ def test_a_wrap_policy_that_parts_a_table_from_its_reader_is_refused(tmp_path):
     for table in ("encoder.rel_embeddings (the relative", "word_embeddings (GDES", "word_embeddings (the word table"):
         assert table in log, log[-3000:]
     assert "mixed torch.Tensor and DTensor" not in log
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# transformers' own DeBERTa, accelerated in place (disentangled.accelerate)
+
+ACCELERATED_JOB = Path(__file__).with_name("accelerated_finetune_job.py")
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
+def test_accelerated_transformers_deberta_sharded_equals_one_process(tmp_path, engine):
+    """transformers' DebertaV2ForSequenceClassification with our attention swapped in: FSDP2 (wrapping DebertaV2Layer)
+    and ZeRO-3 give one process's losses and weights; the saved folder is transformers' own, loaded plainly."""
+    from transformers import DebertaV2ForSequenceClassification
+
+    launch(None, [str(ACCELERATED_JOB), str(tmp_path / "one"), "8"], tmp_path / "one-record", tmp_path)
+    reference = records(tmp_path / "one-record", 1)
+    wrap = ["--fsdp_transformer_layer_cls_to_wrap", "DebertaV2Layer"] if engine == "fsdp2" else []
+    launch(engine, [str(ACCELERATED_JOB), str(tmp_path / "out"), "4"], tmp_path / "record", tmp_path, options=wrap)
+    runs = records(tmp_path / "record", 2)
+    assert_sharded(runs, engine)
+    loss_difference = assert_losses_equal(step_losses(runs), reference[0]["losses"])
+    saved = DebertaV2ForSequenceClassification.from_pretrained(tmp_path / "out")
+    one = DebertaV2ForSequenceClassification.from_pretrained(tmp_path / "one")
+    weight_difference = max_weight_difference(saved.state_dict(), one.state_dict())
+    assert weight_difference <= WEIGHT_ATOL
+    print(
+        f"{engine} accelerated transformers DeBERTa: largest loss difference {loss_difference:.2e}, weights "
+        f"{weight_difference:.2e}; parameters per process {[run['local'] for run in runs]} of {runs[0]['total']}"
+    )
