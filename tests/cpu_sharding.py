@@ -29,6 +29,8 @@ def allow_sharding_on_cpu() -> None:
             return
         if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
             self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, kwargs["fsdp_plugin"]
+            if self._mixed_precision != "no":  # what the GPU branch does: bf16 parameters in forward and backward
+                self.fsdp_plugin.set_mixed_precision(self._mixed_precision)
         elif os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
             plugin = kwargs["deepspeed_plugin"]
             plugin.set_mixed_precision(self._mixed_precision)
