@@ -218,10 +218,11 @@ def test_pretraining_sharded_equals_one_process(pretrain_reference, tmp_path, en
     """The masks and the generator's samples are drawn per sequence and the losses are means over the step's tokens
     (disentangled.sequence_draws), so 2 processes on 4 sequences each compute what one computes on 8: the same
     losses, and saved folders with the same weights. For RTD, E_delta trained: the discriminator's word table (E_G +
-    E_delta, merged on export) is not the generator's."""
+    E_delta, merged on export) is not the generator's; and a sharded checkpoint resumes to the same next loss."""
     root, reference = pretrain_reference(job)
     output = tmp_path / "out"
-    launch(engine, pretrain_command(root, output, 4, job), tmp_path / "record", tmp_path)
+    save = ["--save-strategy", "steps", "--save-steps", "2"] if job == "rtd" else []
+    launch(engine, pretrain_command(root, output, 4, job, *save), tmp_path / "record", tmp_path)
     runs = records(tmp_path / "record", 2)
     assert_sharded(runs, engine)
     loss_difference = assert_losses_equal(step_losses(runs), reference[0]["losses"])
@@ -236,6 +237,15 @@ def test_pretraining_sharded_equals_one_process(pretrain_reference, tmp_path, en
         table = "deberta.embeddings.word_embeddings.weight"
         delta = folder_weights(output / "discriminator")[table] - folder_weights(output / "generator")[table]
         assert delta.abs().max() > 100 * WEIGHT_ATOL  # E_delta moved away from zero
+        # the sharded checkpoint of step 2, resumed (the command picks up the last checkpoint in its output folder)
+        assert_sharded_checkpoint(output / "checkpoint-2", engine)
+        resumed = tmp_path / "resumed"
+        resumed.mkdir()
+        shutil.copytree(output / "checkpoint-2", resumed / "checkpoint-2")
+        launch(engine, pretrain_command(root, resumed, 4, job), tmp_path / "resumed-record", tmp_path)
+        after = records(tmp_path / "resumed-record", 2)
+        assert after[0]["step"] == 3 and len(after[0]["losses"]) == 1
+        assert abs(step_losses(after)[0] - step_losses(runs)[2]) <= LOSS_ULPS * EPS * abs(step_losses(runs)[2])
     print(
         f"{engine} {job} pretraining: largest loss difference {loss_difference:.2e}, weights {weight_difference:.2e}; "
         f"parameters per process {[run['local'] for run in runs]} of {runs[0]['total']}"
