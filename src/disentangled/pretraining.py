@@ -194,7 +194,9 @@ class MaskingCollator:
 
     The command masks inside the objective's forward (`masking=` of the objectives, with a `PaddingCollator`): there
     the draws come after `Trainer` has restored the random state of a checkpoint, so a resumed run masks exactly as
-    the uninterrupted one (Trainer fetches a resumed run's first batch before it restores that state).
+    the uninterrupted one (Trainer fetches a resumed run's first batch before it restores that state). The command
+    also gives `seed`: each sequence then draws from its own generator, seeded by the seed, the step and its tokens
+    (`disentangled.sequence_draws`), so that a run masks alike on any number of processes.
     """
 
     tokenizer: object
