@@ -281,21 +281,28 @@ def test_a_wrap_policy_that_parts_a_table_from_its_reader_is_refused(tmp_path):
 ACCELERATED_JOB = Path(__file__).with_name("accelerated_finetune_job.py")
 
 
+@pytest.fixture(scope="module")
+def accelerated_reference(tmp_path_factory) -> Path:
+    """One process's run of the job on batches of 8: the folder with `one/` and `one-record.0.json`."""
+    root = tmp_path_factory.mktemp("accelerated")
+    launch(None, [str(ACCELERATED_JOB), str(root / "one"), "8"], root / "one-record", root)
+    return root
+
+
 @pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
-def test_accelerated_transformers_deberta_sharded_equals_one_process(tmp_path, engine):
+def test_accelerated_transformers_deberta_sharded_equals_one_process(accelerated_reference, tmp_path, engine):
     """transformers' DebertaV2ForSequenceClassification with our attention swapped in: FSDP2 (wrapping DebertaV2Layer)
     and ZeRO-3 give one process's losses and weights; the saved folder is transformers' own, loaded plainly."""
     from transformers import DebertaV2ForSequenceClassification
 
-    launch(None, [str(ACCELERATED_JOB), str(tmp_path / "one"), "8"], tmp_path / "one-record", tmp_path)
-    reference = records(tmp_path / "one-record", 1)
+    reference = records(accelerated_reference / "one-record", 1)
     wrap = ["--fsdp_transformer_layer_cls_to_wrap", "DebertaV2Layer"] if engine == "fsdp2" else []
     launch(engine, [str(ACCELERATED_JOB), str(tmp_path / "out"), "4"], tmp_path / "record", tmp_path, options=wrap)
     runs = records(tmp_path / "record", 2)
     assert_sharded(runs, engine)
     loss_difference = assert_losses_equal(step_losses(runs), reference[0]["losses"])
     saved = DebertaV2ForSequenceClassification.from_pretrained(tmp_path / "out")
-    one = DebertaV2ForSequenceClassification.from_pretrained(tmp_path / "one")
+    one = DebertaV2ForSequenceClassification.from_pretrained(accelerated_reference / "one")
     weight_difference = max_weight_difference(saved.state_dict(), one.state_dict())
     assert weight_difference <= WEIGHT_ATOL
     print(
