@@ -179,13 +179,25 @@ def test_finetuning_sharded_equals_one_process(finetune_reference, tmp_path, eng
 # ----------------------------------------------------------------------------------------------------------------------
 # Pretraining: `disentangled pretrain`, RTD with GDES and MLM with the Enhanced Mask Decoder
 
-PRETRAIN_JOBS = {"rtd": ["--generator-layers", "1"], "mlm": ["--objective", "mlm", "--enhanced-mask-decoder"]}
-PRETRAIN_FOLDERS = {"rtd": ["discriminator", "generator"], "mlm": ["."]}
+PRETRAIN_JOBS = {
+    "rtd": ["--generator-layers", "1"],
+    "rtd-init-from": ["--generator-layers", "1", "--init-from"],  # + a model folder: continued pretraining
+    "mlm": ["--objective", "mlm", "--enhanced-mask-decoder"],
+}
+PRETRAIN_FOLDERS = {
+    "rtd": ["discriminator", "generator"],
+    "rtd-init-from": ["discriminator", "generator"],
+    "mlm": ["."],
+}
 
 
 def pretrain_command(root: Path, output: Path, batch: int, job: str, *extra: str) -> list[str]:
-    """`-m disentangled.cli pretrain ...` on the tiny inputs of tests/pretraining_helpers.py (dropout off), 3 steps."""
+    """`-m disentangled.cli pretrain ...` on the tiny inputs of tests/pretraining_helpers.py (dropout off), 3 steps;
+    `rtd-init-from` continues from a tiny model folder (tests/finetune_helpers.py's) instead of --config."""
     args = pretrain_args(root, output, "--logging-steps", "1", "--save-strategy", "no", *PRETRAIN_JOBS[job], steps=3)
+    if job == "rtd-init-from":
+        del args[args.index("--config") : args.index("--config") + 2]
+        args.append(str(pretrained_folder(root / "init", **NO_DROPOUT)))
     args.remove("--use_cpu")  # as on GPUs: the shim makes the processes CPU ones
     args[args.index("--per-device-train-batch-size") + 1] = str(batch)
     return ["-m", "disentangled.cli", *args, *extra]
@@ -212,16 +224,19 @@ def pretrain_reference(tmp_path_factory):
     return reference
 
 
-@pytest.mark.parametrize("job", ["rtd", "mlm"])
-@pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
+@pytest.mark.parametrize(
+    ("engine", "job"), [("fsdp2", "rtd"), ("fsdp2", "mlm"), ("zero3", "rtd-init-from"), ("zero3", "mlm")]
+)
 def test_pretraining_sharded_equals_one_process(pretrain_reference, tmp_path, engine, job):
     """The masks and the generator's samples are drawn per sequence and the losses are means over the step's tokens
     (disentangled.sequence_draws), so 2 processes on 4 sequences each compute what one computes on 8: the same
     losses, and saved folders with the same weights. For RTD, E_delta trained: the discriminator's word table (E_G +
-    E_delta, merged on export) is not the generator's; and a sharded checkpoint resumes to the same next loss."""
+    E_delta, merged on export) is not the generator's; and a sharded checkpoint resumes to the same next loss.
+    Continued pretraining (`--init-from`) under ZeRO-3: transformers' from_pretrained partitions the loaded models as
+    they are built, and GDES reads the whole tables to set E_delta = E_D - E_G."""
     root, reference = pretrain_reference(job)
     output = tmp_path / "out"
-    save = ["--save-strategy", "steps", "--save-steps", "2"] if job == "rtd" else []
+    save = ["--save-strategy", "steps", "--save-steps", "2"] if job != "mlm" else []
     launch(engine, pretrain_command(root, output, 4, job, *save), tmp_path / "record", tmp_path)
     runs = records(tmp_path / "record", 2)
     assert_sharded(runs, engine)
@@ -233,7 +248,7 @@ def test_pretraining_sharded_equals_one_process(pretrain_reference, tmp_path, en
             weight_difference, max_weight_difference(weights, folder_weights(root / "one" / folder))
         )
     assert weight_difference <= WEIGHT_ATOL
-    if job == "rtd":
+    if job != "mlm":
         table = "deberta.embeddings.word_embeddings.weight"
         delta = folder_weights(output / "discriminator")[table] - folder_weights(output / "generator")[table]
         assert delta.abs().max() > 100 * WEIGHT_ATOL  # E_delta moved away from zero

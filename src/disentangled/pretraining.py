@@ -37,6 +37,7 @@ Python API, for your own loop::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -153,11 +154,22 @@ def share_embeddings(
     for name in names:
         source = getattr(generator.deberta.embeddings, name)
         own = getattr(discriminator.deberta.embeddings, name)
-        delta = None
-        if embedding_sharing == "gdes":
-            delta = (own.weight - source.weight) if keep_discriminator_tables else torch.zeros_like(source.weight)
-        setattr(discriminator.deberta.embeddings, name, SharedEmbedding(source, embedding_sharing, delta))
+        with _gathered(source.weight, own.weight):
+            delta = None
+            if embedding_sharing == "gdes":
+                delta = (own.weight - source.weight) if keep_discriminator_tables else torch.zeros_like(source.weight)
+            setattr(discriminator.deberta.embeddings, name, SharedEmbedding(source, embedding_sharing, delta))
     return names
+
+
+def _gathered(*parameters: nn.Parameter):
+    """The whole tables for the block: `from_pretrained` under DeepSpeed ZeRO-3 (`--init-from`) leaves each process
+    an empty placeholder and its partition. Nothing to do otherwise."""
+    if not any(hasattr(parameter, "ds_id") for parameter in parameters):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(parameters), modifier_rank=None)
 
 
 def _merged_copy(model: nn.Module) -> nn.Module:

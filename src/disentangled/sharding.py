@@ -16,6 +16,7 @@ instead which option puts which table where, and what to set.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from torch import nn
@@ -47,9 +48,24 @@ def unsharded_copy(trainer, build: Callable[[], nn.Module]) -> nn.Module | None:
     state = full_state_dict(trainer)
     if state is None:
         return None
-    module = build()
+    with _outside_zero3():
+        module = build()
     module.load_state_dict(state, strict=True)
     return module
+
+
+@contextlib.contextmanager
+def _outside_zero3():
+    """Models built here are whole: under ZeRO-3, transformers' `from_pretrained` (`--init-from`) would partition
+    them across the processes (a collective that only the main process joins here)."""
+    from transformers.integrations import deepspeed
+
+    active = deepspeed._hf_deepspeed_config_weak_ref
+    deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        deepspeed._hf_deepspeed_config_weak_ref = active
 
 
 def _join(prefix: str, name: str) -> str:
