@@ -10,7 +10,7 @@ Tolerances, from float32 (unit roundoff 2^-24, one ulp at 1 is EPS = 2^-23):
 - a loss: the one-process loss of a step against the mean of the two processes' losses, within LOSS_ULPS ulps of it;
 - a weight after the steps: within WEIGHT_ATOL = 64 ulps at 1, the scale of the LayerNorm weights. Three Adam steps
   round each weight three times (a few ulps); the rest is the gradient's rounding, which Adam passes on relative to
-  the step (lr = 1e-3 here, so an ulp-sized relative change of the gradient moves a weight by far less than an ulp).
+  the step (lr of 1e-3 to 3e-3 here: an ulp-sized relative change of the gradient moves a weight far less than an ulp).
 """
 
 from __future__ import annotations
