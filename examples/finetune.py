@@ -51,8 +51,11 @@ from transformers.trainer_utils import get_last_checkpoint
 
 try:  # registers the architecture with the Auto classes; without it, models load as remote code
     import disentangled  # noqa: F401
+    from disentangled.sharding import WrapCheck  # FSDP: a wrap policy that parts a table from its reader fails clearly
+
+    CALLBACKS = [WrapCheck]
 except ImportError:
-    pass
+    CALLBACKS = []
 
 logger = logging.getLogger(__name__)
 TASKS = {
@@ -264,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
         processing_class=tokenizer,
         data_collator=collator,
         compute_metrics=compute_metrics,
+        callbacks=[callback() for callback in CALLBACKS],
     )
 
     results: dict = {}
@@ -277,6 +281,8 @@ def main(argv: list[str] | None = None) -> dict:
             if checkpoint:
                 logger.info("resuming from %s", checkpoint)
         train_result = trainer.train(resume_from_checkpoint=checkpoint)
+        if trainer.is_fsdp_enabled:  # FSDP's checkpoints stay sharded; the saved folder holds the whole model
+            trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
         trainer.save_model()  # the model and the tokenizer, on the main process
         if trainer.is_world_process_zero():
             add_remote_code(trainer.model, training_args.output_dir)

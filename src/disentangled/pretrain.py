@@ -288,7 +288,7 @@ def build_objective(args, tokenizer, masking=None):
         else:
             torch.manual_seed(args.seed)
             model = DisentangledForMaskedLM(config)
-        return MaskedLMPretraining(model, masking)
+        return MaskedLMPretraining(model, masking, global_token_mean=True)
 
     from disentangled.modeling import DisentangledForReplacedTokenDetection
 
@@ -319,6 +319,7 @@ def build_objective(args, tokenizer, masking=None):
         args.rtd_weight,
         masking=masking,
         keep_discriminator_tables=bool(args.init_from),  # else E_delta = 0: E_D = E_G at step 0
+        global_token_mean=True,  # losses over the step's tokens, whichever process holds them
     )
 
 
@@ -394,6 +395,7 @@ def run(args: argparse.Namespace) -> int:
         train_tokenizer,
         training_text_lines,
     )
+    from disentangled.sharding import WrapCheck, is_sharded, unsharded_copy
 
     training_args = training_arguments(args)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
@@ -435,6 +437,7 @@ def run(args: argparse.Namespace) -> int:
             objective=args.objective,
             mlm_probability=args.mlm_probability,
             whole_word_mask=args.whole_word_mask,
+            seed=args.seed,  # drawn per sequence: the same masks and samples on any number of processes
         )
         module = build_objective(args, tokenizer, masking)  # masks in its forward, after Trainer restores RNG state
 
@@ -474,6 +477,7 @@ def run(args: argparse.Namespace) -> int:
             eval_dataset=eval_dataset,
             data_collator=PaddingCollator(tokenizer),
         )
+        trainer.add_callback(WrapCheck())  # FSDP: a wrap policy that parts a table from its reader fails clearly
         checkpoint = training_args.resume_from_checkpoint
         if checkpoint is None and Path(training_args.output_dir).is_dir():
             checkpoint = get_last_checkpoint(training_args.output_dir)  # continue an interrupted run
@@ -489,6 +493,8 @@ def run(args: argparse.Namespace) -> int:
             trainer.save_metrics("held_out", verdict[0])
             print(verdict[1], flush=True)
 
+        if is_sharded(trainer):  # every process hands its shard in; the main process saves the whole objective
+            module = unsharded_copy(trainer, lambda: build_objective(args, tokenizer))
         if trainer.is_world_process_zero():
             facts = {
                 "documents": len(train_texts),

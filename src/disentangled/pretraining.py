@@ -37,6 +37,7 @@ Python API, for your own loop::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -49,6 +50,7 @@ from transformers import Trainer
 from transformers.utils import ModelOutput
 
 from .configuration import DisentangledConfig
+from .sequence_draws import randint, sample, token_shares, uniform
 
 logger = logging.getLogger(__name__)
 
@@ -152,11 +154,22 @@ def share_embeddings(
     for name in names:
         source = getattr(generator.deberta.embeddings, name)
         own = getattr(discriminator.deberta.embeddings, name)
-        delta = None
-        if embedding_sharing == "gdes":
-            delta = (own.weight - source.weight) if keep_discriminator_tables else torch.zeros_like(source.weight)
-        setattr(discriminator.deberta.embeddings, name, SharedEmbedding(source, embedding_sharing, delta))
+        with _gathered(source.weight, own.weight):
+            delta = None
+            if embedding_sharing == "gdes":
+                delta = (own.weight - source.weight) if keep_discriminator_tables else torch.zeros_like(source.weight)
+            setattr(discriminator.deberta.embeddings, name, SharedEmbedding(source, embedding_sharing, delta))
     return names
+
+
+def _gathered(*parameters: nn.Parameter):
+    """The whole tables for the block: `from_pretrained` under DeepSpeed ZeRO-3 (`--init-from`) leaves each process
+    an empty placeholder and its partition. Nothing to do otherwise."""
+    if not any(hasattr(parameter, "ds_id") for parameter in parameters):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(parameters), modifier_rank=None)
 
 
 def _merged_copy(model: nn.Module) -> nn.Module:
@@ -193,7 +206,9 @@ class MaskingCollator:
 
     The command masks inside the objective's forward (`masking=` of the objectives, with a `PaddingCollator`): there
     the draws come after `Trainer` has restored the random state of a checkpoint, so a resumed run masks exactly as
-    the uninterrupted one (Trainer fetches a resumed run's first batch before it restores that state).
+    the uninterrupted one (Trainer fetches a resumed run's first batch before it restores that state). The command
+    also gives `seed`: each sequence then draws from its own generator, seeded by the seed, the step and its tokens
+    (`disentangled.sequence_draws`), so that a run masks alike on any number of processes.
     """
 
     tokenizer: object
@@ -202,6 +217,8 @@ class MaskingCollator:
     whole_word_mask: bool = False
     mask_replace_prob: float | None = None  # default: 1.0 for rtd, 0.8 for mlm
     random_replace_prob: float | None = None  # default: 0.0 for rtd, 0.1 for mlm
+    seed: int | None = None  # draw per sequence (disentangled.sequence_draws): the same on any number of processes
+    step: int = 0  # with `seed`: the optimizer step, which PretrainingTrainer sets
     _word_starts: Tensor = field(init=False, repr=False)
     _special: Tensor = field(init=False, repr=False)
     _random_ids: Tensor = field(init=False, repr=False)
@@ -241,20 +258,29 @@ class MaskingCollator:
             attention_mask = torch.ones_like(input_ids)
         picked = self._pick(input_ids, attention_mask)
         labels = torch.where(picked, input_ids, IGNORE_INDEX)
-        draw = torch.rand(input_ids.shape, device=device)
+        draw = self.uniform(input_ids, attention_mask, "replace")
         to_mask = picked & (draw < self.mask_replace_prob)
         to_random = picked & ~to_mask & (draw < self.mask_replace_prob + self.random_replace_prob)
         random_ids = self._random_ids.to(device)
-        random_ids = random_ids[torch.randint(len(random_ids), input_ids.shape, device=device)]
+        if self.seed is None:
+            random_ids = random_ids[torch.randint(len(random_ids), input_ids.shape, device=device)]
+        else:
+            random_ids = random_ids[randint(len(random_ids), input_ids, attention_mask, self.seed, self.step, "random")]
         corrupted = torch.where(to_mask, self.tokenizer.mask_token_id, input_ids)
         corrupted = torch.where(to_random, random_ids, corrupted)
         return corrupted, labels
+
+    def uniform(self, input_ids: Tensor, attention_mask: Tensor, stream: str) -> Tensor:
+        """[B, L] draws in [0, 1): torch's generator, or with `seed` each sequence's own (`stream` names the use)."""
+        if self.seed is None:
+            return torch.rand(input_ids.shape, device=input_ids.device)
+        return uniform(input_ids, attention_mask, self.seed, self.step, stream)
 
     def _pick(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """[B, L] bool: the tokens to predict."""
         device = input_ids.device
         candidate = ~self._special.to(device)[input_ids] & attention_mask.bool()
-        draw = torch.rand(input_ids.shape, device=device) < self.mlm_probability
+        draw = self.uniform(input_ids, attention_mask, "pick") < self.mlm_probability
         if not self.whole_word_mask:
             return candidate & draw
         starts = self._word_starts.to(device)[input_ids] | ~candidate  # special tokens and padding end a word
@@ -485,9 +511,11 @@ class ReplacedTokenDetectionPretraining(nn.Module):
         rtd_weight: float = 10.0,
         masking: MaskingCollator | None = None,
         keep_discriminator_tables: bool = False,
+        global_token_mean: bool = False,
     ):
         super().__init__()
         self.masking = masking
+        self.global_token_mean = global_token_mean  # each loss a mean over all processes' tokens (sequence_draws)
         if not math.isfinite(rtd_weight) or rtd_weight <= 0:
             raise ValueError(f"--rtd-weight must be a positive number, got {rtd_weight}")
         self.generator = generator
@@ -518,13 +546,20 @@ class ReplacedTokenDetectionPretraining(nn.Module):
         with torch.no_grad():  # sample at temperature 1; no gradient flows through the sampling
             probabilities = torch.softmax(generated.logits[masked].float(), dim=-1)
             corrupted = original.clone()
-            corrupted[masked] = torch.multinomial(probabilities, 1).squeeze(-1)
+            if self.masking is not None and self.masking.seed is not None:  # per sequence, as the masking
+                draws = self.masking.uniform(original, attention_mask, "sample")[masked]  # [masked tokens]
+                corrupted[masked] = sample(probabilities, draws)
+            else:
+                corrupted[masked] = torch.multinomial(probabilities, 1).squeeze(-1)
             rtd_labels = (corrupted != original).long()  # a sample equal to the original is original
             rtd_labels = rtd_labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
         detected = self.discriminator(
             input_ids=corrupted, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=rtd_labels
         )
         loss = generated.loss + self.rtd_weight * detected.loss  # L_MLM + lambda * L_RTD
+        if self.global_token_mean:  # the same, as this process's part of the means over every process's tokens
+            generator_share, discriminator_share = token_shares(masked.sum(), (rtd_labels != IGNORE_INDEX).sum())
+            loss = generated.loss * generator_share + self.rtd_weight * detected.loss * discriminator_share
         self.metrics.update_generator(generated.loss, generated.logits, labels)
         self.metrics.update_discriminator(detected.loss, detected.logits, rtd_labels)
         return PretrainingOutput(
@@ -558,10 +593,11 @@ class ReplacedTokenDetectionPretraining(nn.Module):
 class MaskedLMPretraining(nn.Module):
     """The MLM objective around a `DisentangledForMaskedLM`: its loss, and the accuracy on masked tokens logged."""
 
-    def __init__(self, model: nn.Module, masking: MaskingCollator | None = None):
+    def __init__(self, model: nn.Module, masking: MaskingCollator | None = None, global_token_mean: bool = False):
         super().__init__()
         self.model = model
         self.masking = masking
+        self.global_token_mean = global_token_mean  # the loss a mean over all processes' masked tokens
         self.metrics = PretrainingMetrics()
 
     def forward(
@@ -576,10 +612,13 @@ class MaskedLMPretraining(nn.Module):
         output = self.model(
             input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels
         )
+        loss = output.loss
         if labels is not None:
             self.metrics.update_generator(output.loss, output.logits, labels)
+            if self.global_token_mean:
+                loss = loss * token_shares((labels != IGNORE_INDEX).sum())[0]
         return PretrainingOutput(
-            loss=output.loss,
+            loss=loss,
             generator_loss=None if output.loss is None else output.loss.detach(),
             generator_logits=output.logits.detach(),
         )
@@ -636,6 +675,12 @@ class PretrainingTrainer(Trainer):
                 self.state.global_step,
                 auc,
             )
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        masking = getattr(self.model, "masking", None)
+        if masking is not None:
+            masking.step = self.state.global_step  # per-sequence draws change from step to step
+        return super().compute_loss(model, inputs, *args, **kwargs)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The objective's loss (it masks unmasked batches itself, so `labels` need not be in the batch); the

@@ -1,0 +1,71 @@
+"""Pretraining's random draws made a function of the sequence, and its losses made a function of the global batch,
+so that a run on N processes computes what one process computes on the same batches.
+
+Masking (which tokens, and what replaces them) and the generator's samples are drawn, for each sequence, from a
+generator seeded by the run's seed, the optimizer step and the sequence's own tokens:
+
+    seed(sequence) = blake2b(seed, step, stream, tokens of the sequence without its padding)
+
+so a sequence is masked the same way whichever process holds it, whatever else is in its batch and however much
+padding that batch adds. Two equal sequences in one step are masked alike; the same sequence at another step is not.
+
+A loss averaged over each process's tokens, then averaged over the processes (what DDP, FSDP and ZeRO do to the
+gradients), weighs tokens by how many their process had. `token_shares` gives the factor that turns each process's
+mean into its part of the mean over all tokens of the step:
+
+    loss_p * share_p = (sum_p / n_p) * (n_p * P / sum_q n_q),   and  (1/P) sum_p (loss_p * share_p) = sum / n
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import Tensor
+
+_PADDING_DRAW = 1.0  # padded positions draw 1.0: never below a masking probability
+
+
+def sequence_generator(tokens: Tensor, seed: int, step: int, stream: str) -> torch.Generator:
+    """A CPU generator for one unpadded sequence; `stream` names the use, so that each use draws independently."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{stream}/".encode(), digest_size=8)
+    digest.update(tokens.to(device="cpu", dtype=torch.int64).contiguous().numpy().tobytes())
+    return torch.Generator().manual_seed(int.from_bytes(digest.digest(), "little") & (2**63 - 1))
+
+
+def uniform(input_ids: Tensor, attention_mask: Tensor, seed: int, step: int, stream: str) -> Tensor:
+    """[B, L] draws in [0, 1): each row's from its own sequence's generator, in order over its unpadded tokens."""
+    draws = torch.full(input_ids.shape, _PADDING_DRAW)
+    for row, (tokens, kept) in enumerate(zip(input_ids.cpu(), attention_mask.cpu().bool())):
+        draws[row, kept] = torch.rand(int(kept.sum()), generator=sequence_generator(tokens[kept], seed, step, stream))
+    return draws.to(input_ids.device)
+
+
+def randint(high: int, input_ids: Tensor, attention_mask: Tensor, seed: int, step: int, stream: str) -> Tensor:
+    """[B, L] integers in [0, high), drawn per sequence as `uniform` draws; 0 at padded positions."""
+    draws = torch.zeros(input_ids.shape, dtype=torch.long)
+    for row, (tokens, kept) in enumerate(zip(input_ids.cpu(), attention_mask.cpu().bool())):
+        generator = sequence_generator(tokens[kept], seed, step, stream)
+        draws[row, kept] = torch.randint(high, (int(kept.sum()),), generator=generator)
+    return draws.to(input_ids.device)
+
+
+def sample(probabilities: Tensor, draws: Tensor) -> Tensor:
+    """One index per row of `probabilities` [M, V], by inverse transform of `draws` [M] in [0, 1): the index i with
+    cdf[i - 1] < u * cdf[-1] <= cdf[i], cdf summed in float64. Distributed as `torch.multinomial(probabilities, 1)`."""
+    cdf = probabilities.double().cumsum(-1)  # [M, V]
+    target = (draws.double() * cdf[:, -1]).unsqueeze(-1)  # [M, 1]
+    return torch.searchsorted(cdf, target).squeeze(-1).clamp(max=probabilities.shape[-1] - 1)
+
+
+def token_shares(*counts: Tensor) -> list[Tensor]:
+    """For each count of this process's tokens, n_p * P / (sum over processes of n_q): 1 on one process. One
+    all-reduce for all counts; every process must call it (it is called in the objective's forward)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [torch.ones((), device=count.device) for count in counts]
+    world = torch.distributed.get_world_size()
+    mine = torch.stack([count.detach().double() for count in counts])
+    total = mine.clone()
+    torch.distributed.all_reduce(total)
+    shares = (mine * world / total.clamp(min=1)).float()
+    return list(shares.unbind())
