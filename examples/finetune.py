@@ -179,7 +179,7 @@ def add_remote_code(model, output_dir: str) -> None:
 def portable_tokenizer(tokenizer, output_dir: str) -> None:
     """Make the saved tokenizer load on transformers 4.57 too, as the model does (see make_tokenizer_portable)."""
     try:
-        from disentangled.tokenization import make_tokenizer_portable
+        from disentangled.integrations.tokenization import make_tokenizer_portable
     except ImportError:
         logger.warning("disentangled is not installed: the saved tokenizer may not load on transformers 4.57")
         return

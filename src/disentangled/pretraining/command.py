@@ -386,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers.trainer_utils import get_last_checkpoint
 
     from disentangled.pretraining import MaskingCollator, PaddingCollator, PretrainingTrainer, check_mask_token
-    from disentangled.pretraining_data import (
+    from disentangled.pretraining.data import (
         check_data_files,
         load_texts,
         load_tokenizer,

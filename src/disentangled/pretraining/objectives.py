@@ -48,9 +48,9 @@ from torch import Tensor, nn
 from transformers import Trainer
 from transformers.utils import ModelOutput
 
-from .configuration import DisentangledConfig
+from ..configuration import DisentangledConfig
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("disentangled.pretraining")  # the name its log lines carry (the room, not this file)
 
 SHARING_MODES = ("gdes", "es", "none")
 IGNORE_INDEX = -100
