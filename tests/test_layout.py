@@ -4,6 +4,7 @@ a module that imports it back. Each shared name has one home (e.g. conversion/ta
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,3 +100,38 @@ def test_the_package_root_holds_the_public_surface_and_one_folder_per_job():
     assert not [room for room in JOBS if f'"disentangled.{room}"' not in packages]
     for room in JOBS:
         assert ast.get_docstring(ast.parse((root / room / "__init__.py").read_text())), f"{room}/__init__.py"
+
+
+ARCHITECTURE = REPO / "docs" / "internals" / "architecture.md"
+
+
+def diagram_files(page: str) -> list[str]:
+    """The files and folders the page's Mermaid diagrams name, repository-relative. A bare `name.py` in a box belongs
+    to the folder named before it in the same box ("src/disentangled/serving/<br/>quantization.py")."""
+    named = []
+    for diagram in re.findall(r"^```mermaid\n(.*?)^```", page, re.DOTALL | re.MULTILINE):
+        for label in re.findall(r'"([^"]*)"', diagram.replace("<br/>", " ")):
+            folder = ""
+            for name in re.findall(r"[\w./-]*\w\.(?:py|c)\b|[\w./-]*\w/", label):
+                if name.endswith("/"):
+                    folder = name
+                named.append(name if "/" in name else folder + name)
+    return named
+
+
+def test_the_architecture_diagram_names_only_files_that_exist():
+    named = diagram_files(ARCHITECTURE.read_text())
+    assert "modeling/sdpa_attention.py" in named and "src/disentangled/serving/quantization.py" in named  # read
+    missing = sorted({name for name in named if not (REPO / name).exists()})
+    assert not missing, f"docs/internals/architecture.md names what does not exist: {missing}"
+
+
+def test_the_diagram_reader_sees_a_missing_file():
+    page = '```mermaid\nflowchart TD\n    a["modeling/gone.py<br/>x"] --> b["src/disentangled/demo/<br/>remote.py, data.py"]\n```\n'
+    assert diagram_files(page) == [
+        "modeling/gone.py",
+        "src/disentangled/demo/",
+        "src/disentangled/demo/remote.py",
+        "src/disentangled/demo/data.py",
+    ]
+    assert not (REPO / "modeling/gone.py").exists()
