@@ -54,7 +54,7 @@ import disentangled
 from benchmarks import machine
 from benchmarks.records import RECORDS, append_record
 from benchmarks.run import V3_BASE
-from disentangled.acceleration import is_accelerated
+from disentangled.integrations.acceleration import is_accelerated
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_PYTHON = ROOT / ".venv457suite" / "bin" / "python"  # transformers 4.57 (.ci/run), where gliner installs
@@ -78,8 +78,8 @@ def write_backbone(folder: Path, layers: int, quick: bool) -> Path:
     """A DeBERTa-v3-base-shaped `DebertaV2ForSequenceClassification` (one label: a CrossEncoder's head; GLiNER and
     GLiNER2 load its `DebertaV2Model`) with random seeded weights, and a DeBERTa-v3 tokenizer (spm.model) trained here
     on generated words. Returns `folder`."""
-    from disentangled.data import train_sentencepiece
-    from disentangled.tokenization import SPM_TOKENIZER_CONFIG
+    from disentangled.demo.data import train_sentencepiece
+    from disentangled.integrations.tokenization import SPM_TOKENIZER_CONFIG
 
     rng = random.Random(0)
     letters = "abcdefghijklmnopqrstuvwxyz"

@@ -10,7 +10,7 @@ onnxruntime float32 (`export-onnx`) and onnxruntime int8 (`export-onnx --quantiz
 with sdpa in float32. onnxruntime runs with as many threads as torch, thread spinning off (spinning threads
 would take the cores from the next model in the round).
 
-Agreement, on the project's built-in texts (`disentangled.data`): a classifier (v3-base's layout and
+Agreement, on the project's built-in texts (`disentangled.demo.data`): a classifier (v3-base's layout and
 `--layers`, but hidden 256 and 4 heads unless `--agreement-width base`, so that it trains in seconds)
 fine-tuned here on the built-in sentiment task, then argmax agreement of each path with its float32
 predictions on held-out texts (and each one's accuracy); a masked LM trained here on the built-in corpus, top-1
@@ -35,9 +35,9 @@ import transformers
 import disentangled
 from benchmarks import machine, records
 from benchmarks.run import V3_BASE, build_models, inputs_for
-from disentangled import onnx_export, quantization
-from disentangled.data import corpus_lines, sentiment_examples, train_sentencepiece
-from disentangled.tokenization import tokenizer_from_spm
+from disentangled.demo.data import corpus_lines, sentiment_examples, train_sentencepiece
+from disentangled.integrations.tokenization import tokenizer_from_spm
+from disentangled.serving import onnx_export, quantization
 
 RESULTS = Path(__file__).parent / "results"
 PATHS = [

@@ -1,4 +1,5 @@
-"""Benchmark records: every benchmark run appends one JSON line to `benchmarks/records/<benchmark>.jsonl`.
+"""Benchmark records: every run of a benchmark (and of a study, `studies/`) appends one JSON line to
+`benchmarks/records/<benchmark>.jsonl`.
 
 A record says what ran where: the benchmark's name, the UTC time, the processor and its vector extensions (AMX
 included), torch's CPU capability and threads, the torch and transformers versions, the commit (with `+dirty` when

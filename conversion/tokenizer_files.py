@@ -14,7 +14,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from disentangled.tokenization import SPM_TOKENIZER_CONFIG
+from disentangled.integrations.tokenization import SPM_TOKENIZER_CONFIG
 
 from .sources import Source
 
@@ -57,7 +57,7 @@ def source_tokenizer(source: Source, model_type: str):
 
 
 def check_same_ids(source: Source, model_type: str, folder: Path) -> None:
-    from disentangled.tokenization import check_tokenizer
+    from disentangled.integrations.tokenization import check_tokenizer
 
     expected = source_tokenizer(source, model_type)
     actual = AutoTokenizer.from_pretrained(folder)

@@ -26,7 +26,7 @@ from spm_fixture import corpus_lines, train_spm  # noqa: E402
 
 from disentangled import DisentangledConfig, DisentangledForMaskedLM  # noqa: E402
 from disentangled.cli import main  # noqa: E402
-from disentangled.tokenization import tokenizer_from_spm  # noqa: E402
+from disentangled.integrations.tokenization import tokenizer_from_spm  # noqa: E402
 
 TEXT = "The quick brown fox sat on the mat by the river bank."
 

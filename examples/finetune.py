@@ -51,7 +51,9 @@ from transformers.trainer_utils import get_last_checkpoint
 
 try:  # registers the architecture with the Auto classes; without it, models load as remote code
     import disentangled  # noqa: F401
-    from disentangled.sharding import WrapCheck  # FSDP: a wrap policy that parts a table from its reader fails clearly
+
+    # FSDP: a wrap policy that parts a table from its reader fails clearly
+    from disentangled.integrations.sharding import WrapCheck
 
     CALLBACKS = [WrapCheck]
 except ImportError:
@@ -182,7 +184,7 @@ def add_remote_code(model, output_dir: str) -> None:
 def portable_tokenizer(tokenizer, output_dir: str) -> None:
     """Make the saved tokenizer load on transformers 4.57 too, as the model does (see make_tokenizer_portable)."""
     try:
-        from disentangled.tokenization import make_tokenizer_portable
+        from disentangled.integrations.tokenization import make_tokenizer_portable
     except ImportError:
         logger.warning("disentangled is not installed: the saved tokenizer may not load on transformers 4.57")
         return

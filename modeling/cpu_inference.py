@@ -13,6 +13,8 @@ pass that PyTorch's operators would take three for (a gather or transposing copy
 then split off from KERNEL_SPLIT_LENGTH tokens on only. With 64 dimensions per head and no mask or a key mask, the
 compiled kernel runs the whole attention instead (`_attend_fused`: bfloat16 on AMX, float32 on AVX-512), the
 bias made inside its tiles and never written.
+
+In `modeling/`'s layering (`__init__.py`): layer 3, the CPU kernels' path, which sdpa calls.
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ the backend needs them. The backends, each in a file of its own:
 - flex_attention (`flex_attention.py`) reads the tables inside a `score_mod`, so no [L, L] tensor exists at all.
 
 `workspace.py` keeps the buffers the blocked paths reuse between blocks, layers and calls.
+
+In `modeling/`'s layering (`__init__.py`): layer 1, the reference every other layer is checked against.
 """
 
 from __future__ import annotations

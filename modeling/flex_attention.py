@@ -1,5 +1,7 @@
 """The flex_attention backend: a `score_mod` that reads the [B, H, L, W] position tables, so that no [L, L] tensor
 exists at all; compiled and in tiles, its memory stays linear in L.
+
+In `modeling/`'s layering (`__init__.py`): layer 2, a PyTorch backend over layer 1's tables.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ The encoder builds the bucket index and the normalised relative embeddings once 
 projects the 2S relative embeddings (never once per batch element) and hands its attention backend the
 [B, H, L, 2S] position tables. Parameter names are those of transformers' DeBERTa-v2, so its checkpoints
 load as they are.
+
+In `modeling/`'s layering (`__init__.py`): the model above the attention layers, the dispatch to them here.
 """
 
 from __future__ import annotations

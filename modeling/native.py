@@ -15,6 +15,8 @@ written under a temporary name and renamed, so that a failed or concurrent build
 Where that cannot happen (no source, no compiler, a failed build, a processor without AVX-512, not Linux, or
 DISENTANGLED_NATIVE=0) `available()` is False and the callers take the pure-PyTorch path; the tests compare both
 against eager.
+
+In `modeling/`'s layering (`__init__.py`): layer 3, the compiled CPU kernels.
 """
 
 from __future__ import annotations

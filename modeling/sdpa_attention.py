@@ -8,6 +8,8 @@ training, where SDPA would run its math path with a bias gradient, runs `Blocked
 making its own c2p table (and each group of sequences its p2c table), with a backward that scatters dS into those
 tables and from there into q, k, Kr and Qr; the bias and the scatter by the compiled kernel where it runs
 (`native.hankel_bias`). On CUDA the fused Triton kernel (`triton_attention.py`) serves the calls it can take.
+
+In `modeling/`'s layering (`__init__.py`): layer 2, a PyTorch backend over layer 1's tables; it calls layers 3 and 4.
 """
 
 from __future__ import annotations

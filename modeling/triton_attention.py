@@ -72,6 +72,8 @@ products a tensor core makes.
 For a GPU session to measure (nothing here is timed; tests run in the interpreter with 16 x 16 tiles): the kernels'
 time against sdpa's blocked path and the public DeBERTa kernels (`benchmarks.device_check`), the tiles per GPU
 (`benchmarks.tune_kernel`), and the atomics that remain between the "alone" and "one column" tiles at long lengths.
+
+In `modeling/`'s layering (`__init__.py`): layer 4, the GPU kernel, which sdpa calls on CUDA.
 """
 
 from __future__ import annotations

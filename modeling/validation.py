@@ -12,6 +12,8 @@ Under tracing (`torch.compile`, `torch.export` and the ONNX exporter, all of whi
 `torch.compiler.is_compiling()`, and `torch.jit.trace`) every check is skipped: data-dependent Python branches
 would break the graph or bake one input's values into it. Compiled and exported models therefore do not
 validate their input; validate it before calling them, e.g. by one eager call on a representative batch.
+
+In `modeling/`'s layering (`__init__.py`): beside the layers, the checks the model runs before any of them.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 A tensor above glibc's mmap threshold is fresh memory on every allocation, whose pages fault on first touch, so
 the blocks, layers and later calls of a module take their scratch tensors from one workspace that only grows
 (`RelativePositions.workspace`; the encoder passes `kept_workspace(encoder)`).
+
+In `modeling/`'s layering (`__init__.py`): layer 3, the buffers of the blocked CPU paths.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from deberta_shapes import V3_COMMON
 from parity import inflate_weights
 from tiny_models import spm_model, tokenizer
 
-from disentangled.tokenization import SPM_TOKENIZER_CONFIG
+from disentangled.integrations.tokenization import SPM_TOKENIZER_CONFIG
 
 # deberta-v3's attention fields (deberta_shapes.V3_COMMON) at a tiny size; 16 buckets so that a sentence already
 # reaches the log buckets

@@ -13,8 +13,8 @@ from deberta_shapes import V3_COMMON
 from transformers import DebertaV2Config, DebertaV2ForSequenceClassification, Trainer, TrainingArguments
 
 import disentangled
-from disentangled.acceleration import is_accelerated
-from disentangled.sharding import WrapCheck
+from disentangled.integrations import is_accelerated
+from disentangled.integrations.sharding import WrapCheck
 
 
 def main(output_dir: str, batch: int) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from tiny_models import export_remote_code, save_tiny, tokenizer
 
 from disentangled import DisentangledForMaskedLM
-from disentangled.data import sentiment_examples, tagging_examples, write_rows
+from disentangled.demo.data import sentiment_examples, tagging_examples, write_rows
 
 SCRIPT = Path(__file__).parents[1] / "examples" / "finetune.py"
 QUIET = ["--report_to", "none", "--disable_tqdm", "true", "--use_cpu", "--log_level", "error"]

@@ -18,7 +18,7 @@ from gliner import GLiNER, GLiNERConfig
 from parity import inflate_weights  # beside this script
 
 import disentangled
-from disentangled.acceleration import is_accelerated
+from disentangled.integrations.acceleration import is_accelerated
 
 TEXT = "the quick brown fox ran under the tree in berlin and paris is the capital of france"
 BATCH = [TEXT, "the dog sat on the mat", "where is the capital of italy? rome is the capital of italy"]

@@ -9,7 +9,7 @@ from spm_fixture import corpus_lines
 from tiny_models import TINY_CONFIG, spm_model
 
 from disentangled import DisentangledConfig
-from disentangled.tokenization import SPM_TOKENIZER_CONFIG
+from disentangled.integrations.tokenization import SPM_TOKENIZER_CONFIG
 
 QUIET = ["--report_to", "none", "--disable_tqdm", "true", "--use_cpu", "--log_level", "error"]
 TINY_V3 = dict(

@@ -10,7 +10,7 @@ import json
 import random
 from pathlib import Path
 
-from disentangled.data import train_sentencepiece
+from disentangled.demo.data import train_sentencepiece
 
 WORDS = (
     "the a an cat dog bird sat ran flew on under over mat rug tree quick brown lazy fox river bank money market "

@@ -20,7 +20,7 @@ from parity import check_parity, inflate_weights, padded_batch
 from safetensors.torch import load_file
 
 import disentangled
-from disentangled.acceleration import AcceleratedEncoder, AcceleratedSelfAttention, is_accelerated
+from disentangled.integrations.acceleration import AcceleratedEncoder, AcceleratedSelfAttention, is_accelerated
 
 LENGTHS = [300, 171]  # beyond position_buckets (256): log buckets exercised; one padded row
 V2_HEADS = ["Model", "MaskedLM", "SequenceClassification", "TokenClassification", "QuestionAnswering", "MultipleChoice"]
@@ -322,7 +322,7 @@ def test_enable_with_another_backend():
     assert {m.implementation for m in model.modules() if isinstance(m, AcceleratedSelfAttention)} == {"eager"}
     with pytest.raises(ValueError, match="not one of ours"):
         disentangled.enable("flash_attention_2")
-    assert not disentangled.acceleration.enabled()
+    assert not disentangled.integrations.acceleration.enabled()
 
 
 def test_enable_builds_an_unsupported_config_plain_with_a_warning():

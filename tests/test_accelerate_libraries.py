@@ -32,7 +32,7 @@ from parity import inflate_weights
 from safetensors.torch import load_file
 
 import disentangled
-from disentangled.acceleration import is_accelerated
+from disentangled.integrations.acceleration import is_accelerated
 
 HERE = Path(__file__).resolve().parent
 IN_CI = bool(os.environ.get("CI"))  # .ci/run installs every library and environment used here: missing one fails

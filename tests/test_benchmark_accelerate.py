@@ -22,7 +22,7 @@ from tiny_models import spm_model
 
 from benchmarks import accelerate, report
 from benchmarks.records import append_record, read_records
-from disentangled.tokenization import SPM_TOKENIZER_CONFIG
+from disentangled.integrations.tokenization import SPM_TOKENIZER_CONFIG
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "libraries.md"

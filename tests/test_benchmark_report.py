@@ -55,7 +55,7 @@ def test_a_page_without_its_section_is_refused():
 
 
 def test_transfer_tables_take_each_corpus_from_its_newest_run(tmp_path):
-    """A rerun of one corpus of benchmarks.pretrain replaces that corpus's table and bars only."""
+    """A rerun of one corpus of studies.pretrain replaces that corpus's table and bars only."""
 
     def corpus(accuracy: float) -> dict:
         test = {"mean": accuracy, "std": 0.0, "min": accuracy, "max": accuracy, "seeds": [accuracy]}

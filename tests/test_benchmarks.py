@@ -365,11 +365,11 @@ def test_benchmark_names_why_an_anchor_sat_out(tmp_path, capsys):
 
 
 def test_pretraining_benchmark_reports_every_arm(tmp_path):
-    """`python -m benchmarks.pretrain --quick`: on both corpora, every mode is pretrained and every arm (no
+    """`python -m studies.pretrain --quick`: on both corpora, every mode is pretrained and every arm (no
     pretraining included) fine-tuned at each learning rate and probed; the chosen rate is the best on validation, the
     summaries agree with the per-seed figures, the table names every arm, and --speed times an RTD step against its
     two models' steps alone (the numbers are not asserted)."""
-    from benchmarks import pretrain
+    from studies import pretrain
 
     report = pretrain.main(["--quick", "--seeds", "0", "--workers", "1", "--speed", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "pretrain-quick.json").read_text())
@@ -406,7 +406,7 @@ def test_pretraining_benchmark_reports_every_arm(tmp_path):
 
 def test_balanced_accuracy_against_hand_computed():
     """The transfer benchmark's score: the mean over classes of each class's recall, whatever the class sizes."""
-    from benchmarks.pretrain import balanced_accuracy
+    from studies.pretrain import balanced_accuracy
 
     gold = [0, 0, 0, 0, 1, 1, 2, 2]
     predicted = [0, 0, 0, 1, 1, 0, 2, 2]  # recalls 3/4, 1/2, 2/2
@@ -559,8 +559,8 @@ def test_train_step_in_fresh_processes_prints_the_median_and_range_of_each_ratio
 
 
 def test_pretraining_diagnosis_smoke(tmp_path):
-    """`python -m benchmarks.pretrain_diagnosis` on a few steps: every curve is written, AUCs within [0, 1]."""
-    from benchmarks import pretrain_diagnosis
+    """`python -m studies.pretrain_diagnosis` on a few steps: every curve is written, AUCs within [0, 1]."""
+    from studies import pretrain_diagnosis
 
     output = tmp_path / "diagnosis.json"
     arguments = ["--variants", "old", "zero-delta", "--steps", "2", "--batch", "2", "--length", "32", "--eval-every",
@@ -579,7 +579,7 @@ def test_attention_sinks_against_hand_computed():
     and the text's own [SEP], averaged over every such query of every text, per layer."""
     import torch
 
-    from benchmarks.pretrain import sinks
+    from studies.pretrain import sinks
 
     ids = torch.tensor([[1, 5, 6, 2], [1, 7, 2, 0]])  # [CLS]=1, [SEP]=2, padding 0
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-COUNTRIES = "france germany italy spain england austria".split()  # disentangled.data.COUNTRIES, written out here
+COUNTRIES = "france germany italy spain england austria".split()  # disentangled.demo.data.COUNTRIES, written out here
 CITIES = "paris berlin rome madrid london vienna".split()
 
 
@@ -51,8 +51,8 @@ def test_demo_runs_end_to_end(tmp_path, seed):
     assert "hidden states of shape (1, " in out
     before = float(re.search(r"accuracy before fine-tuning: (\d\.\d+)", out)[1])
     assert 0.0 <= before <= 1.0
-    # what `python -m benchmarks.demo` records for the manual's table, read the same way
-    from benchmarks.demo import parse
+    # what `python -m studies.demo` records for the manual's table, read the same way
+    from studies.demo import parse
 
     figures = parse(out)
     assert figures["paris_answer"] == "france", out[-3000:]

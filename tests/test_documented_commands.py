@@ -1,4 +1,4 @@
-"""Every command a reader can copy from README.md and docs/*.md runs, on tiny settings, offline.
+"""Every command a reader can copy from README.md and docs/**/*.md runs, on tiny settings, offline.
 
 Each fenced `bash`/`sh`/`shell`/`python` block needs a mark on the line before it (docs/contributing.md, "Every
 command is run"):
@@ -52,7 +52,7 @@ from tiny_models import spm_model
 from disentangled import cli
 
 REPO = Path(__file__).resolve().parents[1]
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]  # docs/internals/ included
 COMMAND_LANGUAGES = {"bash", "sh", "shell", "python"}
 RUN_OPTIONS = {"tiny", "inputs-only", "isolated", "4.57", "in-repo"}
 PROMPT = "Do you wish to run the custom code"

@@ -16,9 +16,9 @@ from spm_fixture import train_spm
 from test_p2p import bucket
 
 from disentangled import DisentangledConfig, DisentangledForMaskedLM, DisentangledModel
-from disentangled.attention_terms import STATISTICS
 from disentangled.cli import main
 from disentangled.explain import explain_attention
+from disentangled.explain.terms import STATISTICS
 
 SMALL = dict(
     vocab_size=128,
@@ -190,7 +190,7 @@ def spm_model(tmp_path_factory):
 
 
 def model_folder(folder, spm_model, **fields):
-    from disentangled.tokenization import tokenizer_from_spm
+    from disentangled.integrations.tokenization import tokenizer_from_spm
 
     tokenizer = tokenizer_from_spm(spm_model)
     config = DisentangledConfig(**dict(V3, vocab_size=len(tokenizer), legacy=False, **fields))
@@ -448,12 +448,12 @@ def test_command_names_what_is_wrong_with_a_texts_file(tmp_path, spm_model, caps
 
 
 def test_the_explain_terms_benchmark_runs_on_tiny_settings(tmp_path, monkeypatch, capsys):
-    """benchmarks/explain_terms.py, as docs/explain.md runs it, on the tests' corpus (reading the standard library's
+    """studies/explain_terms.py, as docs/explain.md runs it, on the tests' corpus (reading the standard library's
     docstrings takes longer than the rest) and one pretraining step."""
     from spm_fixture import corpus_lines
 
-    from benchmarks import explain_terms
     from benchmarks.records import read_records
+    from studies import explain_terms
 
     lines = [{"text": line} for line in corpus_lines(400)]
     monkeypatch.setattr(explain_terms, "python_docs_split", lambda: (lines[:300], lines[300:]))

@@ -16,7 +16,7 @@ from tiny_models import export_remote_code, tiny_config, tokenizer
 from transformers import AutoTokenizer, Trainer, TrainingArguments
 
 from disentangled import DisentangledForSequenceClassification
-from disentangled.tokenization import make_tokenizer_portable
+from disentangled.integrations.tokenization import make_tokenizer_portable
 
 
 def losses(log_history: list[dict]) -> dict[int, float]:

@@ -13,8 +13,9 @@ import torch
 from tiny_models import tokenizer as tiny_tokenizer
 
 import disentangled
-from disentangled import DisentangledConfig, cli, onnx_export
-from disentangled.data import sentiment_examples
+from disentangled import DisentangledConfig, cli
+from disentangled.demo.data import sentiment_examples
+from disentangled.serving import onnx_export
 
 TINY = dict(
     hidden_size=32,

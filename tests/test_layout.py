@@ -1,14 +1,17 @@
 """The package's modules import each other in one direction: no module imports, at any depth or inside a function,
-a module that imports it back. Each shared name has one home (e.g. conversion/tasks.py, attention_terms.py)."""
+a module that imports it back. Each shared name has one home (e.g. conversion/tasks.py, explain/terms.py)."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+JOBS = ("pretraining", "explain", "serving", "integrations", "demo")  # src/disentangled's subpackages
 PACKAGES = {  # package name -> folder, as pyproject's package-dir maps them
     "disentangled": REPO / "src" / "disentangled",
+    **{f"disentangled.{room}": REPO / "src" / "disentangled" / room for room in JOBS},
     "disentangled.configuration": REPO / "configuration",
     "disentangled.modeling": REPO / "modeling",
     "disentangled.conversion": REPO / "conversion",
@@ -84,3 +87,51 @@ def test_the_model_file_imports_every_modeling_sibling_itself():
     siblings = {name for name in known if name.startswith("disentangled.modeling.") and name != model_file}
     missing = siblings - imported_modules(model_file, known[model_file], known)
     assert len(siblings) >= 5 and not missing, sorted(missing)
+
+
+def test_the_package_root_holds_the_public_surface_and_one_folder_per_job():
+    """src/disentangled/ reads as the list of jobs: the public surface at the top, each job a subpackage that JOBS
+    names and pyproject installs (a folder missing there is missing from the wheel)."""
+    root = PACKAGES["disentangled"]
+    assert {path.stem for path in root.glob("*.py")} == {"__init__", "__main__", "cli", "registration", "qa"}
+    folders = {path.parent.name for path in root.glob("*/__init__.py")}
+    assert folders == set(JOBS)
+    packages = (REPO / "pyproject.toml").read_text().split("packages = [", 1)[1].split("]", 1)[0]  # tomllib: 3.11+
+    assert not [room for room in JOBS if f'"disentangled.{room}"' not in packages]
+    for room in JOBS:
+        assert ast.get_docstring(ast.parse((root / room / "__init__.py").read_text())), f"{room}/__init__.py"
+
+
+ARCHITECTURE = REPO / "docs" / "internals" / "architecture.md"
+
+
+def diagram_files(page: str) -> list[str]:
+    """The files and folders the page's Mermaid diagrams name, repository-relative. A bare `name.py` in a box belongs
+    to the folder named before it in the same box ("src/disentangled/serving/<br/>quantization.py")."""
+    named = []
+    for diagram in re.findall(r"^```mermaid\n(.*?)^```", page, re.DOTALL | re.MULTILINE):
+        for label in re.findall(r'"([^"]*)"', diagram.replace("<br/>", " ")):
+            folder = ""
+            for name in re.findall(r"[\w./-]*\w\.(?:py|c)\b|[\w./-]*\w/", label):
+                if name.endswith("/"):
+                    folder = name
+                named.append(name if "/" in name else folder + name)
+    return named
+
+
+def test_the_architecture_diagram_names_only_files_that_exist():
+    named = diagram_files(ARCHITECTURE.read_text())
+    assert "modeling/sdpa_attention.py" in named and "src/disentangled/serving/quantization.py" in named  # read
+    missing = sorted({name for name in named if not (REPO / name).exists()})
+    assert not missing, f"docs/internals/architecture.md names what does not exist: {missing}"
+
+
+def test_the_diagram_reader_sees_a_missing_file():
+    page = '```mermaid\nflowchart TD\n    a["modeling/gone.py<br/>x"] --> b["src/disentangled/demo/<br/>remote.py, data.py"]\n```\n'
+    assert diagram_files(page) == [
+        "modeling/gone.py",
+        "src/disentangled/demo/",
+        "src/disentangled/demo/remote.py",
+        "src/disentangled/demo/data.py",
+    ]
+    assert not (REPO / "modeling/gone.py").exists()

@@ -9,8 +9,9 @@ from parity import inflate_weights
 from robustness import skip_unless_supported
 
 import disentangled
-from disentangled import DisentangledConfig, cli, onnx_export
+from disentangled import DisentangledConfig, cli
 from disentangled.modeling.modeling_disentangled import DISENTANGLED_ATTENTION_FUNCTIONS
+from disentangled.serving import onnx_export
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")

@@ -287,8 +287,8 @@ def test_gdes_starts_with_the_generators_table_and_rtd_updates_only_e_delta():
 
 
 def test_data_files_of_each_kind_give_the_same_sequences(tmp_path):
-    from disentangled.data import write_rows
-    from disentangled.pretraining_data import check_data_files, load_texts, tokenize_and_group
+    from disentangled.demo.data import write_rows
+    from disentangled.pretraining.data import check_data_files, load_texts, tokenize_and_group
 
     documents = ["the cat sat on the mat. a dog ran", "the quick brown fox", "paris is the capital of france"]
     (tmp_path / "lines.txt").write_text("\n".join(documents) + "\n")

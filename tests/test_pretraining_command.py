@@ -323,7 +323,7 @@ def test_the_recipe_follows_from_the_run_is_printed_and_used(tmp_path, capsys):
     size 32 is nearest the tiny preset); continued pretraining (--init-from), 5e-5 with 6% warm-up."""
     import argparse
 
-    from disentangled.pretrain import CONTINUED_LEARNING_RATE, SCRATCH_LEARNING_RATES, default_recipe
+    from disentangled.pretraining.command import CONTINUED_LEARNING_RATE, SCRATCH_LEARNING_RATES, default_recipe
 
     output = tmp_path / "out"
     args = _drop(pretrain_args(tmp_path, output, "--logging-steps", "1", steps=10), "--learning-rate")
@@ -354,10 +354,10 @@ def test_the_discriminator_learns_on_built_in_text(tmp_path, capsys):
     sentences with 15% of the tokens replaced by random ones, the discriminator's exact ROC-AUC is far above 0.5. The
     code before issue 28 (learning rate 5e-5 without warm-up, weights drawn with std 0.02, E_delta = E_D - E_G)
     reached 0.66 on this run; now 0.90."""
-    from disentangled.data import corpus_lines, pretraining_lines, train_sentencepiece
+    from disentangled.demo.data import corpus_lines, pretraining_lines, train_sentencepiece
+    from disentangled.integrations.tokenization import tokenizer_from_spm
     from disentangled.modeling import DisentangledForReplacedTokenDetection
     from disentangled.pretraining import random_replacement_auc
-    from disentangled.tokenization import tokenizer_from_spm
 
     (tmp_path / "train.txt").write_text("\n".join(pretraining_lines(4000, seed=0)) + "\n")
     text = pretraining_lines(3000, seed=5) + corpus_lines(1000, seed=5)

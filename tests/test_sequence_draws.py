@@ -1,4 +1,4 @@
-"""Per-sequence draws (disentangled.sequence_draws) in-process: a sequence is masked and sampled alike whatever batch
+"""Per-sequence draws (disentangled.pretraining.sequence_draws) in-process: a sequence is masked and sampled alike whatever batch
 holds it and however it is padded, the draws change with the step, the inverse-transform sample follows the
 probabilities, and one process's token shares are 1."""
 
@@ -8,7 +8,7 @@ import torch
 from tiny_models import tokenizer
 
 from disentangled.pretraining import IGNORE_INDEX, MaskingCollator
-from disentangled.sequence_draws import sample, token_shares
+from disentangled.pretraining.sequence_draws import sample, token_shares
 
 
 def batch(rows: list[list[int]], pad: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ import pytest
 import transformers
 from spm_fixture import SPM_VOCAB_SIZE, train_spm, write_deberta_v3_tokenizer_files
 
-from disentangled.tokenization import DEBERTA_V3_SPECIAL_IDS, tokenizer_from_spm
+from disentangled.integrations.tokenization import DEBERTA_V3_SPECIAL_IDS, tokenizer_from_spm
 
 
 def test_tokenizer_from_spm_gets_real_pieces_and_v3_special_ids(tmp_path):
@@ -31,7 +31,7 @@ def test_hub_layout_loads_with_auto_tokenizer(tmp_path):
 
 
 def test_bare_special_token_vocabulary_is_rejected(tmp_path):
-    from disentangled.tokenization import check_tokenizer
+    from disentangled.integrations.tokenization import check_tokenizer
 
     with pytest.raises(ValueError, match="special tokens"):
         check_tokenizer(transformers.DebertaV2Tokenizer())

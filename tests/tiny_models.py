@@ -17,7 +17,7 @@ from spm_fixture import train_spm
 
 from disentangled import DisentangledConfig
 from disentangled.conversion.bundle import auto_map, write_bundle
-from disentangled.tokenization import SPM_TOKENIZER_CONFIG, tokenizer_from_spm
+from disentangled.integrations.tokenization import SPM_TOKENIZER_CONFIG, tokenizer_from_spm
 
 TINY_CONFIG = dict(
     hidden_size=32,

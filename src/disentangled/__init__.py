@@ -2,11 +2,24 @@
 
 `import disentangled` registers `DisentangledConfig` and every head with transformers' Auto classes;
 `disentangled.accelerate(model)` and `disentangled.enable()` run our attention inside transformers' own DeBERTa models.
+
+The package, one folder per job (docs/internals/architecture.md draws how they connect):
+
+- `configuration/`, `modeling/`: the architecture, which is also the Hub bundle's remote code;
+- `conversion/`: DeBERTa checkpoints in, converted folders and Hub repos out (`disentangled convert`, `push`);
+- `pretraining/`: RTD with GDES and masked LM, their data, `disentangled pretrain`;
+- `explain/`: each attention term, its statistics and figures, `disentangled explain`;
+- `serving/`: int8 in PyTorch and ONNX export (`disentangled export-onnx`);
+- `integrations/`: our attention in transformers' own DeBERTa models, tokenizers for transformers 4.57 and 5;
+- `demo/`: `disentangled demo` and its built-in data.
+
+At the top, only the public surface: this file, `cli.py` (the `disentangled` command), `registration.py` (the Auto
+classes) and `qa.py` (`disentangled.qa.answer_question`, extractive QA where transformers 5 has no pipeline).
 """
 
-from .acceleration import accelerate, disable, enable
 from .configuration import DisentangledConfig
 from .explain import explain_attention, explain_texts
+from .integrations import accelerate, disable, enable
 from .modeling import (
     DisentangledForMaskedLM,
     DisentangledForMultipleChoice,
@@ -17,8 +30,11 @@ from .modeling import (
     DisentangledModel,
     DisentangledPreTrainedModel,
 )
-from .quantization import quantize_dynamic
 from .registration import register
+from .serving import (
+    quantization,  # noqa: F401  (`disentangled.quantization.default_engine()`, docs/serving.md)
+    quantize_dynamic,
+)
 
 register()
 

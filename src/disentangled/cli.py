@@ -12,7 +12,7 @@ import sys
 # name -> (module, one-line help)
 COMMANDS = {
     "demo": (
-        "disentangled.demo",
+        "disentangled.demo.command",
         "pretrain a small DeBERTa-v3-style model on built-in text, convert it and run it end to end",
     ),
     "convert": (
@@ -24,10 +24,13 @@ COMMANDS = {
         "disentangled.conversion.commands",
         "export a converted folder back to transformers' DeBERTa-v2",
     ),
-    "export-onnx": ("disentangled.onnx_export", "export a model folder to ONNX"),
-    "pretrain": ("disentangled.pretrain", "pretrain or continue pretraining a DeBERTa model (RTD with GDES, or MLM)"),
+    "export-onnx": ("disentangled.serving.onnx_export", "export a model folder to ONNX"),
+    "pretrain": (
+        "disentangled.pretraining.command",
+        "pretrain or continue pretraining a DeBERTa model (RTD with GDES, or MLM)",
+    ),
     "explain": (
-        "disentangled.explain",
+        "disentangled.explain.explanation",
         "show each attention term (c2c, c2p, p2c, p2p) of a model on a text or averaged over a file of texts",
     ),
 }

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .data import corpus_lines, pretraining_lines, sentiment_examples, train_sentencepiece, write_rows
 
-CHILD_SCRIPT = Path(__file__).with_name("demo_remote.py")  # run by path: importing it would hide the package here
+CHILD_SCRIPT = Path(__file__).with_name("remote.py")  # run by path: importing it would hide the package here
 # A DeBERTa-v3-style encoder (relative attention with c2p + p2c, 256 log buckets, shared keys, normalised relative
 # embeddings, no absolute positions), small enough to pretrain and fine-tune in a minute each on 2 CPU cores.
 # Weights drawn with std 0.1 (not DeBERTa's 0.02, meant for widths of 384 and more) and no dropout: at width 128 and
@@ -111,7 +111,7 @@ def _run(args: argparse.Namespace, folder: Path, started: float) -> int:
     source, reached = (args.model, None) if args.model else make_stand_in(folder, args.seed, args.pretrain_steps)
 
     step = _step(f"converting {source} with the verified converter")
-    from .conversion.convert import convert
+    from ..conversion.convert import convert
 
     converted = folder / "converted"
     convert(source, converted, force=True, log=lambda line: print(f"   {line}", flush=True))
@@ -139,7 +139,7 @@ def _run(args: argparse.Namespace, folder: Path, started: float) -> int:
         return 1
     from transformers import AutoTokenizer
 
-    from .tokenization import make_tokenizer_portable
+    from ..integrations.tokenization import make_tokenizer_portable
 
     # The child saved with Trainer.save_model where this package is hidden: make that tokenizer load on 4.57 too.
     make_tokenizer_portable(folder / "finetuned", AutoTokenizer.from_pretrained(converted, trust_remote_code=True))
@@ -168,7 +168,7 @@ def make_stand_in(folder: Path, seed: int, steps: int) -> tuple[str, str]:
     step = _step("tokenizer: a SentencePiece model trained on built-in text")
     text = pretraining_lines(3000, seed=seed) + corpus_lines(1000, seed=seed)  # + random word order: every word
     spm_file = train_sentencepiece(folder / "tokenizer", text, vocab_size=110)
-    from .tokenization import tokenizer_from_spm
+    from ..integrations.tokenization import tokenizer_from_spm
 
     tokenizer = tokenizer_from_spm(spm_file, check_text="the quick brown fox sat on the mat")
     print(
@@ -180,7 +180,7 @@ def make_stand_in(folder: Path, seed: int, steps: int) -> tuple[str, str]:
     pretrained, reached = pretrain_stand_in(folder, spm_file, len(tokenizer), seed, steps)
 
     step = _step("checkpoint: the pretrained model in transformers' own format, DebertaV2ForMaskedLM (stand-in)")
-    from .conversion.export import export_transformers
+    from ..conversion.export import export_transformers
 
     source = folder / "source"
     export_transformers(pretrained, source, force=True, log=lambda line: print(f"   {line}", flush=True))
@@ -196,7 +196,7 @@ def make_stand_in(folder: Path, seed: int, steps: int) -> tuple[str, str]:
 def pretrain_stand_in(folder: Path, spm_file: Path, vocab_size: int, seed: int, steps: int) -> tuple[Path, str]:
     """Step 2: `disentangled pretrain --objective mlm` in a subprocess on built-in templated sentences; prints the
     command and what the run reached (loss and accuracy on masked tokens, first and last log)."""
-    from .configuration import DisentangledConfig
+    from ..configuration import DisentangledConfig
 
     step = _step(f"pretraining: {steps} steps of masked LM on built-in text (`disentangled pretrain`)")
     data = folder / "pretraining"

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .configuration import DisentangledConfig
-from .modeling import (
+from ..configuration import DisentangledConfig
+from ..modeling import (
     DisentangledForMaskedLM,
     DisentangledForMultipleChoice,
     DisentangledForQuestionAnswering,
@@ -42,7 +42,7 @@ from .modeling import (
     DisentangledForTokenClassification,
     DisentangledModel,
 )
-from .modeling.modeling_disentangled import DISENTANGLED_ATTENTION_FUNCTIONS
+from ..modeling.modeling_disentangled import DISENTANGLED_ATTENTION_FUNCTIONS
 
 # task -> (class, output names)
 TASKS = {

@@ -1,9 +1,9 @@
 """Does pretraining transfer? The DeBERTa-v3 paper's comparison in miniature, over seeds, on real and generated text.
 
-    python -m benchmarks.pretrain                      # 3 seeds, both corpora, 2 worker processes of 1 thread each
-    python -m benchmarks.pretrain --seeds 0 --corpora generated --workers 1
-    python -m benchmarks.pretrain --quick --out DIR    # a smoke run: a few steps (the test suite runs it)
-    python -m benchmarks.pretrain --speed              # also time an RTD step against its two models' steps alone
+    python -m studies.pretrain                         # 3 seeds, both corpora, 2 worker processes of 1 thread each
+    python -m studies.pretrain --seeds 0 --corpora generated --workers 1
+    python -m studies.pretrain --quick --out DIR       # a smoke run: a few steps (the test suite runs it)
+    python -m studies.pretrain --speed                 # also time an RTD step against its two models' steps alone
 
 Five arms on each corpus and seed: no pretraining, masked LM, and replaced-token detection with each embedding sharing
 (`none`, `es`, `gdes`). Every pretrained arm is `disentangled pretrain --config tiny` (hidden 64, 4 layers; RTD's
@@ -17,13 +17,13 @@ prints), the same steps and batches; then every encoder, and a randomly initiali
   (its L2 weight chosen on validation): does pretraining put content into [CLS], or only into the tokens?
 
 Corpora and tasks (labels that depend on what the corpus teaches):
-- `generated`: `disentangled.data.pretraining_lines`, templated sentences with facts and agreement, one sentence a
+- `generated`: `disentangled.demo.data.pretraining_lines`, templated sentences with facts and agreement, one sentence a
   sequence of 32 tokens. `sentiment`: neutral words around one sentiment word (the corpus teaches which words go
   with "love" and which with "hate"). `capitals`: "CITY is the capital of COUNTRY." true or false, fine-tuned on
   four cities and their countries, tested on the other two: only facts learned in pretraining transfer. Six cities
   leave none to validate on apart from the test's, so its learning rate is chosen on other sentences of the
   training cities (what fits best, not what transfers best).
-- `real`: `disentangled.data.python_docs_split`, Python's reference manual and the standard library's docstrings
+- `real`: `disentangled.demo.data.python_docs_split`, Python's reference manual and the standard library's docstrings
   (English written by people, shipped with Python), split by source file, 128-token sequences. `topics`: which of
   four packages (asyncio, email, tkinter, xml) a docstring comes from; trained and validated on documents of the
   pretraining split, tested on the held-out files' documents, which pretraining never saw.
@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from disentangled.pretrain import SCRATCH_LEARNING_RATES
+from disentangled.pretraining.command import SCRATCH_LEARNING_RATES
 
 ARMS = ("none", "mlm", "rtd-none", "rtd-es", "rtd-gdes")
 MODES = ARMS[1:]  # the pretrained arms
@@ -67,7 +67,7 @@ QUICK = dict(steps=4, batch=8, epochs=1.0, learning_rates=(1e-3, 3e-3), lines=40
 
 def write_corpus(name: str, folder: Path, settings: dict) -> dict:
     """Pretraining text (train.txt, validation.txt), a SentencePiece tokenizer, and each task's three splits."""
-    from disentangled import data
+    from disentangled.demo import data
 
     folder.mkdir(parents=True, exist_ok=True)
     if name == "generated":
@@ -200,7 +200,7 @@ def encode(rows: list[dict], tokenizer, labels: list[str], length: int) -> list[
 def new_encoder(model_class, encoder: Path | None, vocab_size: int, seed: int, **kwargs):
     """The pretrained encoder with a new head, or (None) the same shape from random weights; seeded."""
     from disentangled import DisentangledConfig
-    from disentangled.pretrain import PRESETS, V3
+    from disentangled.pretraining.command import PRESETS, V3
 
     torch.manual_seed(seed)
     if encoder is not None:
@@ -328,7 +328,7 @@ def run_job(job: dict) -> dict:
     worker process; its output goes to a log file in the work folder."""
     import transformers
 
-    from disentangled.tokenization import tokenizer_from_spm
+    from disentangled.integrations.tokenization import tokenizer_from_spm
 
     corpus, seed, settings, data = job["corpus"], job["seed"], job["settings"], Path(job["data"])
     if not job.get("here"):  # a worker: its output to a log file of the job
@@ -392,14 +392,14 @@ def speed(tokenizer, data: Path, settings: dict, seed: int) -> dict:
     read the same batch already masked (generator) and already corrupted (discriminator)."""
     from disentangled import DisentangledConfig, DisentangledForMaskedLM
     from disentangled.modeling import DisentangledForReplacedTokenDetection
-    from disentangled.pretrain import PRESETS, V3
     from disentangled.pretraining import (
         MaskingCollator,
         PaddingCollator,
         ReplacedTokenDetectionPretraining,
         generator_config,
     )
-    from disentangled.pretraining_data import load_texts, tokenize_and_group
+    from disentangled.pretraining.command import PRESETS, V3
+    from disentangled.pretraining.data import load_texts, tokenize_and_group
 
     texts = load_texts([data / "train.txt"], "text", "--train-file")
     started = time.perf_counter()
@@ -616,7 +616,7 @@ def main(argv: list[str] | None = None) -> dict:
     settings["steps"] = args.steps or settings["steps"]
     settings["learning_rates"] = tuple(args.learning_rates or settings["learning_rates"])
     settings["epochs"] = args.epochs or settings["epochs"]
-    command = "python -m benchmarks.pretrain " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m studies.pretrain " + " ".join(argv if argv is not None else sys.argv[1:])
     arms = ["none", *args.modes]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pretrain-benchmark-") as folder:
@@ -646,7 +646,7 @@ def main(argv: list[str] | None = None) -> dict:
             "jobs": results,
         }
         if args.speed:
-            from disentangled.tokenization import tokenizer_from_spm
+            from disentangled.integrations.tokenization import tokenizer_from_spm
 
             data = Path(corpora[args.corpora[0]]["folder"])
             tokenizer = tokenizer_from_spm(data / "tokenizer" / "spm.model")

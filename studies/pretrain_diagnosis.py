@@ -1,9 +1,9 @@
 """Why did the discriminator not learn? Short RTD runs on real text, one change at a time (issue 28, item 1).
 
-    python -m benchmarks.pretrain_diagnosis                       # every variant, 1 thread (about 25 min)
-    python -m benchmarks.pretrain_diagnosis --variants old zero-delta --steps 200
+    python -m studies.pretrain_diagnosis                          # every variant, 1 thread (about 25 min)
+    python -m studies.pretrain_diagnosis --variants old zero-delta --steps 200
 
-Text: `disentangled.data.python_docs_split` (the Python reference's topics and the standard library's docstrings:
+Text: `disentangled.demo.data.python_docs_split` (the Python reference's topics and the standard library's docstrings:
 real English that ships with Python), split by source file; a 4,000-piece SentencePiece tokenizer trained on the
 training part. Model: `--config tiny` (hidden 64, 4 layers), generator half its depth, 32 x 128 tokens a step, as
 `disentangled pretrain` builds them, trained with the objective module and AdamW (linear warm-up then decay) in a
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -60,8 +61,8 @@ VARIANTS = {
 
 def corpus(folder: Path, vocab_size: int, length: int):
     """(tokenizer, training sequences [N, length], held-out sequences [M, length])."""
-    from disentangled.data import python_docs_split, train_sentencepiece
-    from disentangled.tokenization import tokenizer_from_spm
+    from disentangled.demo.data import python_docs_split, train_sentencepiece
+    from disentangled.integrations.tokenization import tokenizer_from_spm
 
     train, held_out = python_docs_split()
     lines = [line for document in train for line in document["text"].splitlines() if line.strip()]
@@ -83,8 +84,8 @@ def corpus(folder: Path, vocab_size: int, length: int):
 def build(settings: dict, tokenizer, seed: int):
     from disentangled import DisentangledConfig, DisentangledForMaskedLM
     from disentangled.modeling import DisentangledForReplacedTokenDetection
-    from disentangled.pretrain import PRESETS, V3
     from disentangled.pretraining import MaskingCollator, ReplacedTokenDetectionPretraining, generator_config
+    from disentangled.pretraining.command import PRESETS, V3
 
     shape = {**PRESETS["tiny"], "initializer_range": settings["init"]}
     config = DisentangledConfig(**V3, **shape, vocab_size=len(tokenizer), pad_token_id=0)
@@ -241,7 +242,7 @@ def record(results: dict) -> None:
         name: {"settings": result["settings"], "steps": result["steps"], "seed": result["seed"], **result["curve"]}
         for name, result in results.items()
     }
-    append_record("pretrain_diagnosis", figures)
+    append_record("pretrain_diagnosis", figures, command=["python", "-m", "studies.pretrain_diagnosis", *sys.argv[1:]])
 
 
 def plot(results: dict, path: Path) -> None:

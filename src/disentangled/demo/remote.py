@@ -3,7 +3,7 @@
 It uses a converted folder the way a Hub user does: `Auto...from_pretrained(folder, trust_remote_code=True)`, the
 tokenizer with plain `AutoTokenizer`, transformers pipelines, then fine-tuning with `Trainer` on the CSV files the
 parent wrote, printing the accuracy before and after. It imports nothing from the package (stdlib, torch,
-transformers only), so it is run by path: `python demo_remote.py FOLDER TRAIN.csv EVAL.csv OUTPUT_DIR [options]`.
+transformers only), so it is run by path: `python remote.py FOLDER TRAIN.csv EVAL.csv OUTPUT_DIR [options]`.
 """
 
 from __future__ import annotations

@@ -74,8 +74,8 @@ def _join(prefix: str, name: str) -> str:
 
 def tables_read_elsewhere(model: nn.Module) -> list[tuple[str, str, str]]:
     """(reader, table, why) for each table of `model` that a module other than its own reads in its forward."""
-    from .modeling.modeling_disentangled import DisentangledEncoder, DisentangledForMaskedLM
-    from .pretraining import SharedEmbedding
+    from ..modeling.modeling_disentangled import DisentangledEncoder, DisentangledForMaskedLM
+    from ..pretraining import SharedEmbedding
 
     names = {id(module): name for name, module in model.named_modules()}
     found = []
@@ -157,10 +157,10 @@ def training_parameters(shape: str, job: str) -> tuple[int, int]:
     Counted on the meta device: nothing is allocated."""
     import torch
 
-    from .configuration import DisentangledConfig
-    from .modeling import DisentangledForMaskedLM, DisentangledForSequenceClassification
-    from .modeling.modeling_disentangled import DisentangledForReplacedTokenDetection
-    from .pretraining import ReplacedTokenDetectionPretraining, generator_config
+    from ..configuration import DisentangledConfig
+    from ..modeling import DisentangledForMaskedLM, DisentangledForSequenceClassification
+    from ..modeling.modeling_disentangled import DisentangledForReplacedTokenDetection
+    from ..pretraining import ReplacedTokenDetectionPretraining, generator_config
 
     config = DisentangledConfig(**V3_SHAPE, **SHAPES[shape])
     with torch.device("meta"):

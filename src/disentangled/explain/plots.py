@@ -10,7 +10,7 @@ from pathlib import Path
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
-from .attention_terms import AttentionTerms, LayerTerms
+from .terms import AttentionTerms, LayerTerms
 
 TERM_COLORS = {"c2c": "#4c72b0", "c2p": "#dd8452", "p2c": "#55a868", "p2p": "#8172b3"}
 

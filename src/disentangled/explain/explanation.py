@@ -48,8 +48,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .attention_terms import AttentionTerms, LayerSummary, LayerTerms
-from .modeling.disentangled_attention import log_bucket
+from ..modeling.disentangled_attention import log_bucket
+from .terms import AttentionTerms, LayerSummary, LayerTerms
 
 
 @torch.no_grad()
@@ -477,7 +477,7 @@ def load(name: str, trust_remote_code: bool = False):
     from transformers import AutoConfig, AutoModel, AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
-    from .modeling import DisentangledModel
+    from ..modeling import DisentangledModel
 
     config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     verbosity = transformers_logging.get_verbosity()
@@ -576,7 +576,7 @@ def write_json(args: argparse.Namespace, statistics: dict) -> list[Path]:
 def read_texts(name: str, text_column: str = "text", max_texts: int | None = None) -> list[str]:
     """The texts of a file, in order: one per line of a text file (or per paragraph where blank lines separate
     them), one per row of a .csv/.json/.jsonl file's `text_column`; read as `disentangled pretrain` reads its data."""
-    from .pretraining_data import check_data_files, load_texts
+    from ..pretraining.data import check_data_files, load_texts
 
     if max_texts is not None and max_texts < 1:
         raise ValueError(f"--max-texts must be at least 1, got {max_texts}")

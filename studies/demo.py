@@ -1,7 +1,7 @@
 """The demo's figures over seeds, as a record: what `disentangled demo --seed S` prints, seed by seed.
 
-    python -m benchmarks.demo                 # seeds 0, 1, 2
-    python -m benchmarks.demo --seeds 0 1 2 3 4
+    python -m studies.demo                    # seeds 0, 1, 2
+    python -m studies.demo --seeds 0 1 2 3 4
 
 Each seed runs the command as a user does (a fresh process, the default budget) and keeps: the accuracy on masked
 tokens the pretraining reached, the fill-mask answer to "paris is the capital of [MASK]." and its probability,
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(markdown(figures))
     from benchmarks.records import RECORDS, append_record
 
-    command = ["python", "-m", "benchmarks.demo", *(argv if argv is not None else sys.argv[1:])]
+    command = ["python", "-m", "studies.demo", *(argv if argv is not None else sys.argv[1:])]
     append_record("demo", figures, command=command, folder=Path(args.records) if args.records else RECORDS)
     return figures
 

@@ -144,7 +144,7 @@ class TokenizerFiles:
         self.spm_model = spm_model
 
     def save(self, folder: Path) -> None:
-        from .tokenization import SPM_TOKENIZER_CONFIG
+        from ..integrations.tokenization import SPM_TOKENIZER_CONFIG
 
         if self.spm_model is None:
             self.tokenizer.save_pretrained(folder)
@@ -158,7 +158,7 @@ def load_tokenizer(path: str) -> TokenizerFiles:
     """A tokenizer from a folder (or Hub id) or an `spm.model` file."""
     from transformers import AutoTokenizer
 
-    from .tokenization import SPM_TOKENIZER_CONFIG, tokenizer_from_spm
+    from ..integrations.tokenization import SPM_TOKENIZER_CONFIG, tokenizer_from_spm
 
     location = Path(path)
     if location.is_file():
@@ -185,8 +185,8 @@ def load_tokenizer(path: str) -> TokenizerFiles:
 def train_tokenizer(lines: list[str], vocab_size: int, folder: Path) -> TokenizerFiles:
     """A unigram SentencePiece model on `lines` with DeBERTa-v3's special ids ([PAD] 0, [CLS] 1, [SEP] 2, [UNK] 3;
     [MASK] after the last piece)."""
-    from .data import train_sentencepiece
-    from .tokenization import tokenizer_from_spm
+    from ..demo.data import train_sentencepiece
+    from ..integrations.tokenization import tokenizer_from_spm
 
     if vocab_size < 16:
         raise ValueError(f"--vocab-size must be at least 16, got {vocab_size}")

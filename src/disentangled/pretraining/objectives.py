@@ -49,10 +49,10 @@ from torch import Tensor, nn
 from transformers import Trainer
 from transformers.utils import ModelOutput
 
-from .configuration import DisentangledConfig
+from ..configuration import DisentangledConfig
 from .sequence_draws import randint, sample, token_shares, uniform
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("disentangled.pretraining")  # the name its log lines carry (the room, not this file)
 
 SHARING_MODES = ("gdes", "es", "none")
 IGNORE_INDEX = -100
@@ -208,7 +208,7 @@ class MaskingCollator:
     the draws come after `Trainer` has restored the random state of a checkpoint, so a resumed run masks exactly as
     the uninterrupted one (Trainer fetches a resumed run's first batch before it restores that state). The command
     also gives `seed`: each sequence then draws from its own generator, seeded by the seed, the step and its tokens
-    (`disentangled.sequence_draws`), so that a run masks alike on any number of processes.
+    (`disentangled.pretraining.sequence_draws`), so that a run masks alike on any number of processes.
     """
 
     tokenizer: object
@@ -217,7 +217,9 @@ class MaskingCollator:
     whole_word_mask: bool = False
     mask_replace_prob: float | None = None  # default: 1.0 for rtd, 0.8 for mlm
     random_replace_prob: float | None = None  # default: 0.0 for rtd, 0.1 for mlm
-    seed: int | None = None  # draw per sequence (disentangled.sequence_draws): the same on any number of processes
+    seed: int | None = (
+        None  # draw per sequence (disentangled.pretraining.sequence_draws): the same on any number of processes
+    )
     step: int = 0  # with `seed`: the optimizer step, which PretrainingTrainer sets
     _word_starts: Tensor = field(init=False, repr=False)
     _special: Tensor = field(init=False, repr=False)

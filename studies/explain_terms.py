@@ -1,8 +1,8 @@
 """What pretraining teaches the attention terms: `disentangled explain` over held-out text, pretrained against untrained.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.explain_terms          # about 9 minutes on one CPU thread
+    OMP_NUM_THREADS=1 python -m studies.explain_terms             # about 9 minutes on one CPU thread
 
-Text: `disentangled.data.python_docs_split` (the Python reference's topics and the standard library's docstrings, real
+Text: `disentangled.demo.data.python_docs_split` (the Python reference's topics and the standard library's docstrings, real
 English that ships with Python), split by source file. The training part pretrains a `--config tiny` model (hidden
 64, 4 layers, 4 heads, DeBERTa-v3 attention: c2c + c2p + p2c, 256 log buckets, shared keys) with masked LM,
 `--max-steps` steps of 32 x 128 tokens, through `disentangled pretrain`; a 2,000-piece SentencePiece tokenizer is
@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from disentangled.data import python_docs_split
+from disentangled.demo.data import python_docs_split
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,7 +99,7 @@ def plot_comparison(results: dict[str, dict], path: Path, reach: int = 16) -> Pa
     from matplotlib import colormaps
     from matplotlib.figure import Figure
 
-    from disentangled.plots import TERM_COLORS
+    from disentangled.explain.plots import TERM_COLORS
 
     terms = results["pretrained"]["terms"]
     count = len(results["pretrained"]["layers"])
@@ -273,7 +273,7 @@ def run(argv: list[str] | None = None) -> dict:
         "untrained_seeds": args.untrained_seeds,
         **{name: summary(statistics) for name, statistics in results.items()},
     }
-    command = ["python", "-m", "benchmarks.explain_terms", *(argv if argv is not None else sys.argv[1:])]
+    command = ["python", "-m", "studies.explain_terms", *(argv if argv is not None else sys.argv[1:])]
     append_record("explain_terms", figures, command=command, folder=args.records)
     return figures
 

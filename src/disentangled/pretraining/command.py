@@ -386,8 +386,9 @@ def run(args: argparse.Namespace) -> int:
     import transformers
     from transformers.trainer_utils import get_last_checkpoint
 
+    from disentangled.integrations.sharding import WrapCheck, is_sharded, unsharded_copy
     from disentangled.pretraining import MaskingCollator, PaddingCollator, PretrainingTrainer, check_mask_token
-    from disentangled.pretraining_data import (
+    from disentangled.pretraining.data import (
         check_data_files,
         load_texts,
         load_tokenizer,
@@ -395,7 +396,6 @@ def run(args: argparse.Namespace) -> int:
         train_tokenizer,
         training_text_lines,
     )
-    from disentangled.sharding import WrapCheck, is_sharded, unsharded_copy
 
     training_args = training_arguments(args)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)

@@ -28,10 +28,10 @@ from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.deberta import modeling_deberta as deberta_v1
 from transformers.models.deberta_v2 import modeling_deberta_v2 as deberta_v2
 
-from .configuration import DisentangledConfig
-from .conversion.deberta_v1 import convert_v1_config
-from .modeling.disentangled_attention import RelativePositions, head_scaling, warn_once
-from .modeling.modeling_disentangled import (
+from ..configuration import DisentangledConfig
+from ..conversion.deberta_v1 import convert_v1_config
+from ..modeling.disentangled_attention import RelativePositions, head_scaling, warn_once
+from ..modeling.modeling_disentangled import (
     DISENTANGLED_ATTENTION_FUNCTIONS,
     DisentangledEncoder,
     DisentangledModel,

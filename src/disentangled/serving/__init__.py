@@ -1,0 +1,14 @@
+"""Serving: a trained model made cheaper to run, and checked against itself (docs/serving.md).
+
+- `quantization.py`: int8 in PyTorch, `quantize_dynamic(model)` (oneDNN's int8 products where the CPU has AMX) and
+  `default_engine()`;
+- `onnx_export.py`: `disentangled export-onnx`, a model folder to ONNX (float32, or int8 with every matrix product
+  quantized), checked against PyTorch with onnxruntime.
+
+Exports `quantize_dynamic` and `default_engine`; the package root exports `quantize_dynamic` too, and
+`disentangled.quantization` names `quantization.py` there.
+"""
+
+from .quantization import default_engine, quantize_dynamic
+
+__all__ = ["quantize_dynamic", "default_engine"]
