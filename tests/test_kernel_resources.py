@@ -72,22 +72,15 @@ def test_the_report_compiles_the_dispatchers_tiles(rows):
 def test_the_measurement_sees_spills_and_shared_memory():
     """The same measurement on tiles known to be too large (the forward's first tiles before this table: 128 x 64,
     4 warps, 3 stages) reports spills, and float32 at those tiles more shared memory than an sm_86 GPU has."""
-    launches = kernel_resources.launches(
-        torch.bfloat16,
-        64,
-        dict(mask=True, dropout=False, p2p=False),
-        {k: (128, 64, 4, 3) for k in kernel_resources.KERNELS},
-    )
-    compiled = kernel_resources.compile_launch(launches["forward"], (9, 0))
-    assert kernel_resources.resource_usage(compiled.asm["cubin"])["stack"] > 0
-    launches = kernel_resources.launches(
-        torch.float32,
-        64,
-        dict(mask=True, dropout=False, p2p=False),
-        {k: (128, 64, 4, 3) for k in kernel_resources.KERNELS},
-    )
-    compiled = kernel_resources.compile_launch(launches["forward"], (8, 6))
-    assert compiled.metadata.shared > kernel_resources.SHARED_MEMORY[(8, 6)]
+    too_large = {k: (128, 64, 4, 3) for k in kernel_resources.KERNELS}
+    flags = dict(mask=True, dropout=False, p2p=False)
+
+    def forward(dtype, capability):
+        launch = kernel_resources.launches(dtype, 64, flags, too_large)["forward"]
+        return kernel_resources.compile_launch(launch, capability)
+
+    assert kernel_resources.resource_usage(forward(torch.bfloat16, (9, 0)).asm["cubin"])["stack"] > 0
+    assert forward(torch.float32, (8, 6)).metadata.shared > kernel_resources.SHARED_MEMORY[(8, 6)]
 
 
 def test_report_table_and_record(rows, tmp_path, monkeypatch, capsys):
