@@ -180,11 +180,15 @@ def table(rows: list[dict]) -> list[str]:
         if group[0]["falls_back"]:
             lines.append(f"| {target} | {dtype} | {head_size} | {named} | falls back to sdpa's path | | | |")
             continue
-        by_kernel = {row["kernel"]: row for row in group}
-        tiles = " / ".join("x".join(str(n) for n in by_kernel[k]["tiles"]) for k in KERNELS)
-        registers = " / ".join(str(by_kernel[k]["registers"]) for k in KERNELS)
-        stack = " / ".join(str(by_kernel[k]["stack"]) for k in KERNELS)
-        shared = " / ".join(f"{by_kernel[k]['shared'] / 1024:.0f}" for k in KERNELS)
+        by_kernel = {row["kernel"]: row for row in group}  # all three, or those a caller picked (misfits)
+
+        def column(value, by_kernel=by_kernel) -> str:
+            return " / ".join(value(by_kernel[k]) if k in by_kernel else "-" for k in KERNELS)
+
+        tiles = column(lambda row: "x".join(str(n) for n in row["tiles"]))
+        registers = column(lambda row: str(row["registers"]))
+        stack = column(lambda row: str(row["stack"]))
+        shared = column(lambda row: f"{row['shared'] / 1024:.0f}")
         limit = group[0]["shared_limit"] / 1024
         lines.append(
             f"| {target} | {dtype} | {head_size} | {named} | {tiles} | {registers} | {stack} | {shared} / {limit:.0f} |"
