@@ -55,8 +55,7 @@ def candidates(kernel: str, default: tuple[int, int, int, int]) -> list[tuple[in
 def usable(launch) -> bool:
     """Compiles and loads on this GPU without spilling."""
     try:
-        compiled = launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.options)
-        compiled._init_handles()
+        compiled = launch.prepare()
     except Exception as error:  # out of resources, or the compiler refused
         print(f"    skipped {launch.options['BLOCK_M']}x{launch.options['BLOCK_N']}: {type(error).__name__}")
         return False

@@ -152,7 +152,7 @@ class RelativePositions:
         monotone in d, so distances that share a column are neighbours). Row 0 at d: how many distances in [0, d)
         share their column with another; a tile whose distances [lo, hi] count none there writes each of its
         gradient entries alone. Row 1 at d: how many times the column changes in (0, d]; a tile whose distances
-        count none reads one column."""
+        count none reads one column (its last entry, past the distances, is never read)."""
         column = self.column
         changed = column[1:] != column[:-1]  # [2L - 2]
         shared = torch.zeros_like(column, dtype=torch.bool)
@@ -161,7 +161,6 @@ class RelativePositions:
         runs = torch.zeros(2, column.numel() + 1, dtype=torch.int32, device=column.device)
         runs[0, 1:] = shared.cumsum(0)
         runs[1, 1:-1] = changed.cumsum(0)
-        runs[1, -1] = runs[1, -2]
         return runs
 
     @cached_property

@@ -78,6 +78,7 @@ In `modeling/`'s layering (`__init__.py`): layer 4, the GPU kernel, which sdpa c
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import warnings
@@ -203,7 +204,13 @@ FAILED_LAUNCHES: dict[tuple, str] = {}
 
 
 def _device_facts(device: torch.device) -> tuple[str, tuple[int, int]]:
-    return torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+    """The GPU's name and compute capability (asked once per device: the dispatcher reads them on every call)."""
+    return _device_facts_of(torch.device(device).index or 0)
+
+
+@functools.cache
+def _device_facts_of(index: int) -> tuple[str, tuple[int, int]]:
+    return torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)
 
 
 def kernel_fallback_reason(
@@ -331,10 +338,12 @@ class Launch(NamedTuple):
     def __call__(self):
         return self.kernel[self.grid](*self.args, **self.options)
 
-    def prepare(self) -> None:
-        """Compile for this GPU and check its resources (shared memory, threads), launching nothing."""
+    def prepare(self):
+        """Compile for this GPU and load it, launching nothing: raises Triton's OutOfResources where the GPU lacks the
+        shared memory or threads. Returns the compiled kernel (its `n_spills` is the loaded kernel's)."""
         compiled = self.kernel.warmup(*self.args, grid=self.grid, **self.options)
         compiled._init_handles()  # loads it for this GPU: where Triton raises OutOfResources (shared memory, threads)
+        return compiled
 
 
 def forward_launch(inputs: tuple, outputs: tuple, scaling, dropout, seed, tiles) -> Launch:

@@ -61,12 +61,27 @@ def test_every_kernel_fits_every_gpu(rows):
             assert row["registers"] <= 255 and row["shared"] > 0, row
 
 
-def test_the_report_compiles_the_dispatchers_tiles(rows):
-    """The report reads the same table as the dispatcher: each row's tiles are `tiles_for` that GPU's."""
+def test_the_report_compiles_the_dispatchers_tiles(rows, monkeypatch):
+    """The report reads the same table as the dispatcher: each row's tiles are `tiles_for` that GPU's, and a change
+    to TILES reaches what the report compiles (the launches it hands the compiler carry the new tiles)."""
     for row in rows:
         capability = kernel_resources.TARGETS[row["target"]]
         tiles = triton_attention.tiles_for(capability, kernel_resources.DTYPES[row["dtype"]], row["head_size"])
         assert row["tiles"] == (list(tiles[row["kernel"]]) if tiles is not None else None), row
+    marked = {"forward": (16, 32, 2, 1), "keys": (32, 16, 2, 1), "queries": (16, 16, 2, 1)}
+    monkeypatch.setitem(triton_attention.TILES, (9, 0), {**triton_attention.TILES[(9, 0)], ("half", 64): marked})
+    compiled = []
+
+    def record(launch, capability):
+        compiled.append((capability, launch.options["BLOCK_M"], launch.options["BLOCK_N"], launch.options["num_warps"]))
+        return type("Compiled", (), {"asm": {"cubin": b""}, "metadata": type("Meta", (), {"shared": 1})})()
+
+    monkeypatch.setattr(kernel_resources, "compile_launch", record)
+    monkeypatch.setattr(kernel_resources, "resource_usage", lambda cubin: {"registers": 1, "stack": 0})
+    flags = dict(mask=True, dropout=False, p2p=False)
+    measured = kernel_resources.measure(dict(target="sm_90", dtype="bfloat16", head_size=64, flags=flags))
+    assert compiled == [((9, 0), *marked[kernel][:3]) for kernel in kernel_resources.KERNELS]
+    assert [row["tiles"] for row in measured] == [list(marked[kernel]) for kernel in kernel_resources.KERNELS]
 
 
 def test_the_measurement_sees_spills_and_shared_memory():

@@ -105,13 +105,8 @@ def check_fsdp_wrapping(model: nn.Module) -> None:
     problems = []
     for reader, table, why in tables_read_elsewhere(model):
         table_unit, reader_unit = unit_of(table), unit_of(reader)
-        if (
-            table_unit is None
-            or table_unit == reader_unit
-            or reader_unit.startswith(table_unit + ".")
-            or not table_unit
-        ):
-            continue  # gathered around the reader's forward
+        if not table_unit or table_unit == reader_unit or (reader_unit or "").startswith(table_unit + "."):
+            continue  # not sharded apart, or gathered around the reader's forward (a reader in no unit is reported)
         problems.append(
             f"{table} ({why}) is an FSDP unit of its own ({table_unit}), apart from {reader or 'the model'}"
         )

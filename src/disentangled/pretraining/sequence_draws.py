@@ -33,21 +33,31 @@ def sequence_generator(tokens: Tensor, seed: int, step: int, stream: str) -> tor
     return torch.Generator().manual_seed(int.from_bytes(digest.digest(), "little") & (2**63 - 1))
 
 
+def _per_sequence(input_ids: Tensor, attention_mask: Tensor, seed: int, step: int, stream: str, draw, fill) -> Tensor:
+    """[B, L]: `draw(n, generator)` at each row's n unpadded tokens, from its own sequence's generator; `fill` at
+    padded positions."""
+    draws = torch.full(input_ids.shape, fill)
+    for row, (tokens, kept) in enumerate(zip(input_ids.cpu(), attention_mask.cpu().bool())):
+        draws[row, kept] = draw(int(kept.sum()), sequence_generator(tokens[kept], seed, step, stream))
+    return draws.to(input_ids.device)
+
+
 def uniform(input_ids: Tensor, attention_mask: Tensor, seed: int, step: int, stream: str) -> Tensor:
     """[B, L] draws in [0, 1): each row's from its own sequence's generator, in order over its unpadded tokens."""
-    draws = torch.full(input_ids.shape, _PADDING_DRAW)
-    for row, (tokens, kept) in enumerate(zip(input_ids.cpu(), attention_mask.cpu().bool())):
-        draws[row, kept] = torch.rand(int(kept.sum()), generator=sequence_generator(tokens[kept], seed, step, stream))
-    return draws.to(input_ids.device)
+
+    def draw(count, generator):
+        return torch.rand(count, generator=generator)
+
+    return _per_sequence(input_ids, attention_mask, seed, step, stream, draw, _PADDING_DRAW)
 
 
 def randint(high: int, input_ids: Tensor, attention_mask: Tensor, seed: int, step: int, stream: str) -> Tensor:
     """[B, L] integers in [0, high), drawn per sequence as `uniform` draws; 0 at padded positions."""
-    draws = torch.zeros(input_ids.shape, dtype=torch.long)
-    for row, (tokens, kept) in enumerate(zip(input_ids.cpu(), attention_mask.cpu().bool())):
-        generator = sequence_generator(tokens[kept], seed, step, stream)
-        draws[row, kept] = torch.randint(high, (int(kept.sum()),), generator=generator)
-    return draws.to(input_ids.device)
+
+    def draw(count, generator):
+        return torch.randint(high, (count,), generator=generator)
+
+    return _per_sequence(input_ids, attention_mask, seed, step, stream, draw, 0)
 
 
 def sample(probabilities: Tensor, draws: Tensor) -> Tensor:
