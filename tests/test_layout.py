@@ -4,8 +4,11 @@ a module that imports it back. Each shared name has one home (e.g. conversion/ta
 from __future__ import annotations
 
 import ast
-import re
+import importlib.util
+import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = ("pretraining", "explain", "serving", "integrations", "demo")  # src/disentangled's subpackages
@@ -105,33 +108,62 @@ def test_the_package_root_holds_the_public_surface_and_one_folder_per_job():
 ARCHITECTURE = REPO / "docs" / "internals" / "architecture.md"
 
 
-def diagram_files(page: str) -> list[str]:
-    """The files and folders the page's Mermaid diagrams name, repository-relative. A bare `name.py` in a box belongs
-    to the folder named before it in the same box ("src/disentangled/serving/<br/>quantization.py")."""
-    named = []
-    for diagram in re.findall(r"^```mermaid\n(.*?)^```", page, re.DOTALL | re.MULTILINE):
-        for label in re.findall(r'"([^"]*)"', diagram.replace("<br/>", " ")):
-            folder = ""
-            for name in re.findall(r"[\w./-]*\w\.(?:py|c)\b|[\w./-]*\w/", label):
-                if name.endswith("/"):
-                    folder = name
-                named.append(name if "/" in name else folder + name)
-    return named
+def load_diagrams():
+    """docs/internals/diagrams.py, which is not part of the package: the Architecture page's pictures as data."""
+    spec = importlib.util.spec_from_file_location("architecture_diagrams", REPO / "docs" / "internals" / "diagrams.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_the_architecture_diagram_names_only_files_that_exist():
-    named = diagram_files(ARCHITECTURE.read_text())
+def test_the_architecture_diagrams_name_only_files_that_exist():
+    diagrams = load_diagrams()
+    named = [name for diagram in diagrams.DIAGRAMS for name in diagrams.named_files(diagram)]
     assert "modeling/sdpa_attention.py" in named and "src/disentangled/serving/quantization.py" in named  # read
+    assert "modeling/position_bias.c" in named  # a file in backticks, in the box's folder
     missing = sorted({name for name in named if not (REPO / name).exists()})
-    assert not missing, f"docs/internals/architecture.md names what does not exist: {missing}"
+    assert not missing, f"docs/internals/diagrams.py names what does not exist: {missing}"
 
 
 def test_the_diagram_reader_sees_a_missing_file():
-    page = '```mermaid\nflowchart TD\n    a["modeling/gone.py<br/>x"] --> b["src/disentangled/demo/<br/>remote.py, data.py"]\n```\n'
-    assert diagram_files(page) == [
+    diagrams = load_diagrams()
+    picture = diagrams.Diagram(
+        "test",
+        "a test",
+        [
+            [diagrams.Box("a", "modeling/gone.py", ["x"])],
+            diagrams.Group(
+                "demo", [[diagrams.Box("b", "demo/", ["`remote.py`, `data.py`"], "folder")]], "src/disentangled/"
+            ),
+        ],
+        [("a", "b", "")],
+    )
+    assert diagrams.named_files(picture) == [
         "modeling/gone.py",
         "src/disentangled/demo/",
         "src/disentangled/demo/remote.py",
         "src/disentangled/demo/data.py",
     ]
     assert not (REPO / "modeling/gone.py").exists()
+
+
+def test_the_architecture_page_shows_every_diagram_and_each_is_current():
+    """Each picture is on the page, and its SVG was drawn from the data and code as they are (a box added without
+    `python docs/internals/diagrams.py` fails here). The page draws nothing at view time: no Mermaid, no script."""
+    diagrams = load_diagrams()
+    page = ARCHITECTURE.read_text()
+    assert [f"(architecture/{diagram.name}.svg)" in page for diagram in diagrams.DIAGRAMS] == [True] * 3
+    assert "```mermaid" not in page and "<script" not in page
+    assert diagrams.stale() == [], "run: python docs/internals/diagrams.py"
+
+
+def test_a_diagram_too_wide_or_with_an_arrow_through_a_box_is_refused():
+    diagrams = load_diagrams()
+    wide = diagrams.Diagram("w", "w", [[diagrams.Box(str(n), "modeling/" + "x" * 30 + ".py") for n in range(4)]], [])
+    with pytest.raises(ValueError, match="px wide"):
+        diagrams.svg(wide)
+    rows = [[diagrams.Box("a", "a.py")], [diagrams.Box("b", "b.py")], [diagrams.Box("c", "c.py")]]
+    with pytest.raises(ValueError, match="the arrow a -> c runs through b"):
+        diagrams.svg(diagrams.Diagram("t", "t", rows, [("a", "c", "")]))
+    assert "<svg" in diagrams.svg(diagrams.Diagram("t", "t", rows, [("a", "b", ""), ("b", "c", "")]))
