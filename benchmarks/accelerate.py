@@ -385,21 +385,110 @@ def markdown(record: dict) -> str:
     return "\n".join(lines)
 
 
+NAMES = {"gliner": "GLiNER", "gliner2": "GLiNER2", "crossencoder": "sentence-transformers' CrossEncoder"}
+CALLS = {"gliner": "`inference`", "gliner2": "`batch_extract_entities`", "crossencoder": "`predict`"}
+
+
+def cell(row: dict) -> str:
+    """A speed-up as the page shows it: below 1 it says "slower", under its target it names the target."""
+    speedup = row["speedup"]
+    times = f"{row['median']['transformers']:.3f} s / {row['median']['accelerated']:.3f} s"
+    if speedup < 1.0:
+        return f"**{speedup:.2f}x, slower** ({times})"
+    if row["target"] is not None and speedup < row["target"]:
+        return f"{speedup:.2f}x, under {row['target']:g}x ({times})"
+    return f"{speedup:.2f}x ({times})"
+
+
 def section(records: list[dict]) -> str:
-    """docs/libraries.md's generated section: per (processor, device, dtype, layers), each full-size record that no
-    newer record of the same kind replaces (one that times all of its cases), newest first."""
-    shown: dict[tuple, list[dict]] = {}
-    for record in reversed(records):  # newest first
-        figures = record["figures"]
-        if figures.get("quick"):
-            continue
-        kept = shown.setdefault((record["processor"], figures["device"], figures["dtype"], -figures["layers"]), [])
-        cases = {row["case"] for row in figures["cases"]}
-        if not any(cases <= {row["case"] for row in newer["figures"]["cases"]} for newer in kept):
-            kept.append(record)
-    if not shown:
+    """docs/libraries.md's generated section: per library, one table per machine (processor and device), a column
+    per configuration (dtype and layers) and a row per input; each cell from the newest record that timed that case
+    in that configuration. Under each table, the slower cases in words, then each column's records."""
+    full = [record for record in records if not record["figures"].get("quick")]
+    if not full:
         return "No record yet: `python -m benchmarks.accelerate` writes one."
-    return "\n\n".join(markdown(record) for key in sorted(shown) for record in shown[key])
+    lines = []
+    for library in LIBRARIES:
+        runs = [record for record in full if any(row["library"] == library for row in record["figures"]["cases"])]
+        if not runs:
+            continue
+        lines += [f"### Speed of {NAMES[library]}", ""]
+        machines = sorted({(machine.label(record), record["figures"]["device"]) for record in runs})
+        for where, device in machines:
+            here = [
+                record for record in runs if (machine.label(record), record["figures"]["device"]) == (where, device)
+            ]
+            configurations = sorted(
+                {(record["figures"]["dtype"], record["figures"]["layers"]) for record in here},
+                key=lambda configuration: (-configuration[1], configuration[0] != "float32", configuration[0]),
+            )
+            newest: dict[tuple, tuple[dict, dict]] = {}  # (dtype, layers, batch, tokens) -> (row, record)
+            for record in here:  # oldest first: a newer record of a case replaces it
+                for row in record["figures"]["cases"]:
+                    if row["library"] == library:
+                        key = (record["figures"]["dtype"], record["figures"]["layers"], row["batch"], row["tokens"])
+                        newest[key] = (row, record)
+            inputs = sorted({(key[3], key[2]) for key in newest})  # by tokens, then batch
+            versions = sorted(
+                {
+                    f"{name} {version}"
+                    for row, _ in newest.values()
+                    for name, version in row["versions"].items()
+                    if name != "python"
+                }
+            )
+            first, last = min(record["time"][:10] for record in here), max(record["time"][:10] for record in here)
+            dates = first if first == last else f"{first} to {last}"
+            lines += [
+                f"**{NAMES[library]}'s {CALLS[library]}, transformers' DeBERTa time over the accelerated time** "
+                f"(median of interleaved calls; DeBERTa-v3-base shape): {here[-1]['processor']} "
+                f"({' '.join(here[-1]['extensions']) or 'no listed vector extensions'}), {device.upper()}, "
+                f"{here[-1]['threads']} thread{'s' if here[-1]['threads'] != 1 else ''}, {dates}; "
+                f"{', '.join(versions)}:",
+                "",
+                "| input | " + " | ".join(f"{dtype}, {layers} layers" for dtype, layers in configurations) + " |",
+                "|---" * (len(configurations) + 1) + "|",
+            ]
+            for tokens, batch in inputs:
+                cells = [
+                    cell(newest[(dtype, layers, batch, tokens)][0]) if (dtype, layers, batch, tokens) in newest else "-"
+                    for dtype, layers in configurations
+                ]
+                lines.append(f"| {batch}x{tokens} | " + " | ".join(cells) + " |")
+            slower = [
+                f"{batch}x{tokens} in {dtype} with {layers} layers ({row['speedup']:.2f}x)"
+                for (dtype, layers, batch, tokens), (row, _) in sorted(newest.items())
+                if row["speedup"] < 1.0
+            ]
+            lines += [
+                "",
+                (
+                    f"Slower accelerated than not: {'; '.join(slower)}."
+                    if slower
+                    else "Faster accelerated than not in every case here."
+                ),
+                "",
+                "Measured by: "
+                + "; ".join(
+                    f"{dtype}, {layers} layers: "
+                    + ", ".join(
+                        f"{record['time'][:10]}, commit {record['commit']}, {record['figures']['repeats']} calls "
+                        f"(`{record['command']}`)"
+                        for record in here
+                        if (record["figures"]["dtype"], record["figures"]["layers"]) == (dtype, layers)
+                        and any(found is record for _, found in newest.values())
+                    )
+                    for dtype, layers in configurations
+                )
+                + ".",
+                "",
+            ]
+    skipped = sorted(
+        {f"{name} ({why})" for record in full for name, why in record["figures"].get("skipped", {}).items()}
+    )
+    if skipped:
+        lines += ["Not run in some records: " + "; ".join(skipped) + ".", ""]
+    return "\n".join(lines).rstrip("\n")
 
 
 def main(argv: list[str] | None = None) -> None:

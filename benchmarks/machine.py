@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 
 import torch
 
@@ -55,3 +56,27 @@ def describe() -> str:
         f"{name} ({' '.join(extensions) or 'no listed vector extensions'}; torch uses {capability}), "
         f"{os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads"
     )
+
+
+def short_name(name: str) -> str:
+    """'Intel(R) Xeon(R) Processor' -> 'Intel Xeon': the model name without trademarks and filler words."""
+    name = re.sub(r"\((R|TM)\)| Processor| CPU\b", "", name)
+    return re.sub(r"\s+", " ", name).strip()
+
+
+def vector_units(extensions: list[str]) -> str:
+    """The widest vector units of a processor, as they decide which kernels run: 'AVX-512, AMX', 'AVX2', 'SVE'."""
+    found = set(extensions)
+    if "avx512f" in found:
+        return "AVX-512, AMX" if "amx_bf16" in found else "AVX-512"
+    if "avx2" in found:
+        return "AVX2"
+    if "asimd" in found:
+        return "SVE" if "sve" in found else "NEON"
+    return "no listed vector units"
+
+
+def label(record: dict) -> str:
+    """'AMD EPYC (AVX2)': a record's processor as the manual names it. Two machines that report the same model name
+    (cloud processors often do) but have different vector units are different machines to a benchmark."""
+    return f"{short_name(record['processor'])} ({vector_units(record['extensions'])})"

@@ -246,25 +246,14 @@ def record(results: dict) -> None:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
+    """The figure as `python -m benchmarks.report` draws it from this study's newest record."""
+    from benchmarks import report
+    from benchmarks.records import machine_fields
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, result in results.items():
-        curve = result["curve"]
-        axes[0].plot(curve["step"], curve["auc"], marker=".", label=name)
-        axes[1].plot(curve["step"], curve["random_auc"], marker=".", label=name)
-    for axis, title in zip(axes, ("held-out ROC-AUC, generator's replacements", "held-out ROC-AUC, random tokens")):
-        axis.axhline(0.5, color="grey", lw=0.8, ls="--")
-        axis.set_title(title)
-        axis.set_xlabel("step")
-        axis.set_ylim(0.4, 1.0)
-    axes[1].legend(fontsize=7)
-    figure.tight_layout()
+    fields = machine_fields() | {"time": time.strftime("%Y-%m-%d")}
+    figures = {name: result["curve"] for name, result in results.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
+    report.draw(path.name, report.diagnosis_data(fields | {"figures": figures}), path)
 
 
 if __name__ == "__main__":

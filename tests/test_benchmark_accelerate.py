@@ -109,6 +109,8 @@ def synthetic_case(library: str, batch: int, tokens: int, plain: float, fast: fl
 
 
 def test_report_renders_the_table_from_a_record(tmp_path):
+    """One table per library and machine, a column per (dtype, layers), each cell from the newest record of that
+    case; a case under its target says so, a slower one says "slower" in the cell and in a line under the table."""
     figures = {
         "device": "cpu",
         "dtype": "float32",
@@ -120,18 +122,25 @@ def test_report_renders_the_table_from_a_record(tmp_path):
     }
     append_record("accelerate", figures, command=["python", "-m", "benchmarks.accelerate"], folder=tmp_path)
     append_record("accelerate", figures | {"quick": True}, command=["quick"], folder=tmp_path)  # not on the page
-    two_layers = figures | {"layers": 2, "cases": [synthetic_case("crossencoder", 1, 128, 0.2, 0.1)]}
-    append_record("accelerate", two_layers, command=["two layers"], folder=tmp_path)  # a table of its own
+    two_layers = figures | {"layers": 2, "cases": [synthetic_case("crossencoder", 1, 128, 0.1, 0.2)]}
+    append_record("accelerate", two_layers, command=["two", "layers"], folder=tmp_path)  # a column of its own
+    newer = figures | {"cases": [synthetic_case("gliner", 1, 512, 1.0, 0.5)], "repeats": 5}
+    append_record("accelerate", newer, command=["newer"], folder=tmp_path)  # replaces one case of the first
     texts, _ = report.generate(tmp_path)
     page = texts[Path("docs/libraries.md")]
     section = page.split(report.BEGIN.format(name="libraries"))[1].split(report.END)[0]
-    assert "| gliner 8x2048 | 8x2048 | 12.000 s | 3.000 s | 4.00x | 3x | yes |" in section
-    assert "| gliner 1x512 | 1x512 | 1.000 s | 0.800 s | 1.25x | 1.5x | no |" in section
-    assert "DeBERTa-v3-base shape, 12 layers; median of 3 interleaved calls" in section
-    assert "gliner 0.2.29" in section and "transformers 4.57.6" in section and "gliner2 (gliner2 is not" in section
-    assert "Command: `python -m benchmarks.accelerate`" in section and "`quick`" not in section
-    assert section.index("12 layers;") < section.index("| gliner 8x2048 |") < section.index(" 2 layers;")
-    assert "| crossencoder 1x128 | 1x128 | 0.200 s | 0.100 s | 2.00x | 1x | yes |" in section
+    gliner, crossencoder = section.split("### Speed of GLiNER\n")[1].split("### Speed of sentence-transformers")
+    assert "| input | float32, 12 layers |\n" in gliner and " 2 layers" not in gliner
+    assert "| 8x2048 | 4.00x (12.000 s / 3.000 s) |" in gliner
+    assert "| 1x512 | 2.00x (1.000 s / 0.500 s) |" in gliner  # the newer record's
+    assert "gliner 0.2.29" in gliner and "transformers 4.57.6" in gliner and "Faster accelerated than not" in gliner
+    assert "`python -m benchmarks.accelerate`" in gliner and "`newer`" in gliner and "`quick`" not in section
+    assert "| input | float32, 2 layers |" in crossencoder
+    assert "| 1x128 | **0.50x, slower** (0.100 s / 0.200 s) |" in crossencoder
+    assert "Slower accelerated than not: 1x128 in float32 with 2 layers (0.50x)." in crossencoder
+    assert "Not run in some records: gliner2 (gliner2 is not installed)." in section
+    under = dict(synthetic_case("gliner", 1, 512, 1.0, 0.8))
+    assert accelerate.cell(under) == "1.25x, under 1.5x (1.000 s / 0.800 s)"
     assert accelerate.section([]) == "No record yet: `python -m benchmarks.accelerate` writes one."
 
 

@@ -147,15 +147,18 @@ def test_a_gpu_record_makes_the_gpu_table_and_figure_beside_the_cpu_ones(tmp_pat
     shutil.copytree(RECORDS, tmp_path / "records")
     before, before_figures = report.generate(tmp_path / "records")
     page = before[report.Path("docs/performance.md")]
-    gpu_part = page.split("## Results on a GPU", 1)[1]
-    assert "No GPU record yet" in gpu_part and "benchmarks.device_check --device cuda" in gpu_part
+    gpu_part = page.split("## Results on GPUs", 1)[1].split("## Reading the results", 1)[0]
+    assert "No GPU results yet: nothing on this page was measured on a GPU" in gpu_part
+    assert "has not yet run on a GPU" in gpu_part and "(#on-a-gpu)" in gpu_part
     assert report.Path("docs/performance/gpu.png") not in before_figures
 
     gpu_record(tmp_path / "records")
     texts, figures = report.generate(tmp_path / "records")
     page = texts[report.Path("docs/performance.md")]
-    cpu_part, gpu_part = page.split("## Results on a GPU", 1)
-    assert cpu_part == before[report.Path("docs/performance.md")].split("## Results on a GPU", 1)[0]
+    cpu_part, gpu_part = page.split("## Results on GPUs", 1)
+    gpu_part, after = gpu_part.split("## Reading the results", 1)
+    assert cpu_part == before[report.Path("docs/performance.md")].split("## Results on GPUs", 1)[0]
+    assert after == before[report.Path("docs/performance.md")].split("## Reading the results", 1)[1]
     assert texts[report.Path("README.md")] == before[report.Path("README.md")]
     assert "### NVIDIA H200, bfloat16" in gpu_part and "flashdeberta 0.0.8, disentangled-flash 1.1.1" in gpu_part
     assert "Parity before the timings: passed." in gpu_part and "Not started (time budget): train 4x2048" in gpu_part
