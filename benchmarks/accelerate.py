@@ -468,19 +468,19 @@ def section(records: list[dict]) -> str:
                     else "Faster accelerated than not in every case here."
                 ),
                 "",
-                "Measured by: "
-                + "; ".join(
-                    f"{dtype}, {layers} layers: "
-                    + ", ".join(
-                        f"{record['time'][:10]}, commit {record['commit']}, {record['figures']['repeats']} calls "
-                        f"(`{record['command']}`)"
+                "Measured by:",
+                "",
+                *[
+                    f"- {dtype}, {layers} layers: "
+                    + "; ".join(
+                        f"{record['time'][:10]}, commit {record['commit']}, {record['figures']['repeats']} calls, "
+                        f"`{record['command']}`"
                         for record in here
                         if (record["figures"]["dtype"], record["figures"]["layers"]) == (dtype, layers)
                         and any(found is record for _, found in newest.values())
                     )
                     for dtype, layers in configurations
-                )
-                + ".",
+                ],
                 "",
             ]
     skipped = sorted(
