@@ -528,9 +528,17 @@ def draw_speed(plt, data: dict):
         axis.axhline(1.0, color="grey", linewidth=0.8)
         axis.set_title(title, fontsize=10)
     axes[1].set_yscale("log")
-    figure.suptitle("DeBERTa-v3-base shape, median over fresh processes, on the CPU", fontsize=11)
     handles, names = axes[0].get_legend_handles_labels()
-    figure.legend(handles, names, loc="outside lower center", ncol=1, fontsize=9, frameon=False)
+    figure.legend(  # above the panels: read first
+        handles,
+        names,
+        loc="outside upper center",
+        ncol=1,
+        fontsize=9,
+        frameon=False,
+        title="DeBERTa-v3-base shape, median over fresh processes, on the CPU",
+        title_fontsize=10,
+    )
     return figure
 
 

@@ -250,7 +250,7 @@ def plot(results: dict, path: Path) -> None:
     from benchmarks import report
     from benchmarks.records import machine_fields
 
-    fields = machine_fields() | {"time": time.strftime("%Y-%m-%d")}
+    fields = machine_fields() | {"time": time.strftime("%Y-%m-%d", time.gmtime())}  # UTC, as records are dated
     figures = {name: result["curve"] for name, result in results.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     report.draw(path.name, report.diagnosis_data(fields | {"figures": figures}), path)
