@@ -25,7 +25,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks import accelerate, kernel_resources
+from benchmarks import accelerate, kernel_resources, pretrain_memory
 from benchmarks.records import RECORDS, read_records
 from studies import demo, pretrain
 from studies.explain_terms import markdown_tables
@@ -562,6 +562,9 @@ def generate(records: Path = RECORDS) -> tuple[dict[Path, str], dict[Path, dict]
             kernel_resources.section(read_records("kernel_resources", records)),
         )
     ]
+    # docs/pretraining.md: one RTD step's peak memory at DeBERTa-v3's vocabulary, against transformers' ELECTRA
+    memory = pretrain_memory.section(read_records("pretrain_memory", records))
+    sections += [(Path("docs/pretraining.md"), "pretrain-memory", memory)]
     # docs/libraries.md: libraries' DeBERTa models accelerated against not, newest run per processor, device, dtype
     sections += [(Path("docs/libraries.md"), "libraries", accelerate.section(read_records("accelerate", records)))]
     texts = {}
