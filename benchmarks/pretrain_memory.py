@@ -219,7 +219,7 @@ def child(args: argparse.Namespace, loop: str, out: Path) -> None:
         times.append(time.perf_counter() - start)
         if number == 0:
             peak = peak_gib(device)
-            first_loss = float(loss)
+            first_loss = loss.item()
         del loss
     out.write_text(
         json.dumps(
@@ -348,9 +348,9 @@ def markdown(record: dict) -> str:
         f"{figures['layers']} discriminator and {figures['generator_layers']} generator layers, {figures['masked']} "
         f"masked tokens; each loop in a fresh process on {'the CPU' if device == 'cpu' else device}. Peak memory "
         f"above the built models ({'resident high-water mark' if device == 'cpu' else 'allocated'}); it includes "
-        "Adam's moments, which the first step creates:",
+        "Adam's moments, which the first step creates; seconds per step, the median of the steps after it:",
         "",
-        "| loop | peak above the models | / ELECTRA's | of which Adam's moments | step (s) |",
+        "| loop | peak above the models | / ELECTRA's | of which Adam's moments | seconds per step |",
         "|---|---|---|---|---|",
     ]
     for name, loop in loops.items():
@@ -425,6 +425,7 @@ def main(argv: list[str] | None = None) -> None:
         "hidden_size": XSMALL["hidden_size"],
         "layers": args.layers,
         "generator_layers": args.generator_layers,
+        "timed_steps": args.steps,
         "masked": masked,
         "baseline": args.baseline,
         "loops": loops,
