@@ -33,7 +33,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks import accelerate, kernel_resources, machine
+from benchmarks import accelerate, kernel_resources, machine, pretrain_memory
 from benchmarks.records import RECORDS, read_records
 from studies import demo, pretrain
 from studies.explain_terms import markdown_tables
@@ -759,6 +759,9 @@ def generate(records: Path = RECORDS) -> tuple[dict[Path, str], dict[Path, dict]
     # docs/libraries.md: libraries' DeBERTa models accelerated against not, one table per library and machine
     accelerated = [for_the_page(record) for record in read_records("accelerate", records) if recorded(record)]
     sections += [(Path("docs/libraries.md"), "libraries", accelerate.section(accelerated))]
+    # docs/pretraining.md: one RTD step's peak memory at DeBERTa-v3's vocabulary, against transformers' ELECTRA
+    memory = pretrain_memory.section([for_the_page(record) for record in read_records("pretrain_memory", records)])
+    sections += [(Path("docs/pretraining.md"), "pretrain-memory", memory)]
     texts = {}
     for path, name, body in sections:
         texts[path] = replace_section(texts.get(path, (ROOT / path).read_text()), name, body)

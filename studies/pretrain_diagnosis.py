@@ -122,7 +122,7 @@ def evaluate(module, masking, held_out: torch.Tensor, seed: int) -> dict:
         scores.append(out.discriminator_logits[keep])
         labels.append(out.discriminator_labels[keep])
         picked = mlm_labels != -100
-        correct += int((out.generator_logits.argmax(-1)[picked] == mlm_labels[picked]).sum())
+        correct += int((out.generator_logits.argmax(-1) == mlm_labels[picked]).sum())  # logits at masked tokens
         masked += int(picked.sum())
         # uniformly random replacements of 15% of the ordinary tokens
         ordinary = ~masking._special[batch]

@@ -405,6 +405,29 @@ def test_pretraining_benchmark_reports_every_arm(tmp_path):
     assert all(tokens_per_s > 0 for tokens_per_s in saved["speed"]["pipeline"].values())
 
 
+def test_pretrain_memory_benchmark_reports_every_loop(tmp_path):
+    """`python -m benchmarks.pretrain_memory` on tiny sizes: ours as at HEAD (from its own tree), ours and ELECTRA,
+    each in a fresh process; the record holds every loop's peak and the sampler's timing (HEAD's sampler draws the
+    same tokens), and the pretraining page's table names every loop. The figures themselves are not asserted."""
+    from benchmarks import pretrain_memory
+
+    tiny = ["--batch", "2", "--length", "16", "--vocab-size", "300", "--layers", "1", "--steps", "0"]
+    pretrain_memory.main([*tiny, "--baseline", "HEAD", "--records", str(tmp_path)])
+    (record,) = read_records("pretrain_memory", tmp_path)
+    figures = record["figures"]
+    assert list(figures["loops"]) == ["ours at HEAD", "ours", "electra"]
+    for loop in figures["loops"].values():
+        assert loop["peak_gib"] > 0 and loop["optimizer_state_gib"] > 0 and loop["loss"] > 0
+    assert figures["masked"] > 0 and figures["sampler"]["masked"] == figures["masked"]
+    assert figures["sampler"]["same_draws"]
+    assert pretrain_memory.section([record]).startswith("No record yet")  # the page shows the real vocabulary only
+    full = json.loads(json.dumps(record))
+    full["figures"]["vocab_size"] = 128100
+    page = pretrain_memory.section([record, full])
+    for name in figures["loops"]:
+        assert f"| {name} |" in page
+
+
 def test_balanced_accuracy_against_hand_computed():
     """The transfer benchmark's score: the mean over classes of each class's recall, whatever the class sizes."""
     from studies.pretrain import balanced_accuracy

@@ -255,3 +255,29 @@ def test_from_dict_of_a_deberta_v2_config_leaves_the_decoder_off():
         {"model_type": "deberta-v2", "hidden_size": 32, "num_attention_heads": 4}
     )
     assert config.enhanced_mask_decoder is False
+
+
+@pytest.mark.parametrize("head", ["emd", "legacy"])
+def test_sparse_prediction_gives_the_dense_logits_loss_and_gradients_at_the_labelled_tokens(head):
+    """`sparse_prediction=True` (pretraining's generator): logits [M, V] equal to the dense logits at the labelled
+    tokens in row-major order, the same loss and the same gradients; without labels it is refused."""
+    config = CONFIGS["v3-base (log buckets, shared keys)"]
+    if head == "legacy":  # transformers' cls.predictions head, no decoder
+        config = dict(config, enhanced_mask_decoder=False, legacy=True)
+    model = build(**config)
+    batch = padded_batch(BASE["vocab_size"], [20, 13])
+    labels = torch.where(torch.rand(batch["input_ids"].shape, generator=torch.Generator().manual_seed(0)) < 0.3,
+                         batch["input_ids"], -100).masked_fill(batch["attention_mask"] == 0, -100)  # fmt: skip
+    picked = labels != -100
+    dense = model(**batch, labels=labels)
+    dense.loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    sparse = model(**batch, labels=labels, sparse_prediction=True)
+    sparse.loss.backward()
+    assert sparse.logits.shape == (int(picked.sum()), BASE["vocab_size"])
+    torch.testing.assert_close(sparse.logits, dense.logits[picked], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sparse.loss, dense.loss, rtol=1e-6, atol=0)
+    assert not gradient_mismatches(model, expected, rtol=1e-4)
+    with pytest.raises(ValueError, match="sparse_prediction=True.*labels"):
+        model(**batch, sparse_prediction=True)

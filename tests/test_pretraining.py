@@ -4,16 +4,19 @@ the masking collator, the logged metrics, and the merged export."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 from tiny_models import TINY_CONFIG, tokenizer
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.modeling_outputs import MaskedLMOutput
 
 from disentangled import DisentangledConfig, DisentangledForMaskedLM
 from disentangled.modeling import DisentangledForReplacedTokenDetection
 from disentangled.pretraining import (
     MaskingCollator,
+    PaddingCollator,
     PretrainingMetrics,
     ReplacedTokenDetectionPretraining,
     SharedEmbedding,
@@ -145,9 +148,10 @@ def test_a_sample_equal_to_the_original_is_labelled_original():
     wrong = masked & (order % 2 == 0) & (labels != 7)
     vocab = module.generator.config.vocab_size
 
-    def certain_generator(input_ids, attention_mask=None, token_type_ids=None, labels=None):
-        target = torch.where(wrong, 7, torch.where(masked, labels, input_ids))
-        logits = torch.full((*input_ids.shape, vocab), -1e4)
+    def certain_generator(input_ids, attention_mask=None, token_type_ids=None, labels=None, sparse_prediction=False):
+        assert sparse_prediction  # the objective asks for logits at the masked tokens only
+        target = torch.where(wrong, 7, torch.where(masked, labels, input_ids))[masked]
+        logits = torch.full((len(target), vocab), -1e4)
         logits.scatter_(-1, target.unsqueeze(-1), 1e4)  # sampling at temperature 1 returns the target
         return MaskedLMOutput(loss=logits.sum() * 0, logits=logits)
 
@@ -158,6 +162,79 @@ def test_a_sample_equal_to_the_original_is_labelled_original():
     assert (inputs["attention_mask"] == 0).any()  # padding was there to ignore
     original = torch.where(masked, labels, inputs["input_ids"])
     assert torch.equal(out.discriminator_input_ids, torch.where(wrong, 7, original))
+
+
+class Allocations(TorchDispatchMode):
+    """The shape of every tensor an operation returns while active (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [
+            tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else [out]) if torch.is_tensor(t)
+        ]
+        return out
+
+
+@pytest.mark.parametrize("objective", ["rtd", "mlm"])
+def test_a_step_makes_no_tensor_of_every_token_by_the_vocabulary(objective):
+    """Forward and backward of a masked batch: the generator's head runs at the M masked tokens only, so no
+    [B, L, V] or [B * L, V] tensor is made (at DeBERTa-v3's vocabulary that is 2 GiB at 8 x 512), the logits are
+    [M, V], and the logged accuracy counts the masked tokens."""
+    from disentangled.pretraining import MaskedLMPretraining
+
+    tok = tokenizer()
+    masking = MaskingCollator(tok, objective=objective, seed=0)
+    texts = ["the quick brown fox sat on the mat under a tree by the river", "a dog ran", "paris is the capital"] * 4
+    padded = PaddingCollator(tok)([{"input_ids": ids} for ids in tok(texts)["input_ids"]])
+    if objective == "rtd":
+        module = make_module("gdes")
+        module.masking = masking
+    else:
+        config, _ = configs()
+        module = MaskedLMPretraining(DisentangledForMaskedLM(config), masking)
+    vocab, (rows, length) = len(tok), padded["input_ids"].shape
+    _, labels = masking.mask(padded["input_ids"], padded["attention_mask"])
+    masked = int((labels != -100).sum())
+    assert 0 < masked < rows * length
+    with Allocations() as seen:
+        out = module(**padded)
+        out.loss.backward()
+    assert out.generator_logits.shape == (masked, vocab)
+    by_vocabulary = {shape for shape in seen.shapes if len(shape) > 1 and shape[-1] == vocab}  # E^T [hidden, V] too
+    assert (masked, vocab) in by_vocabulary
+    assert all(math.prod(shape[:-1]) < rows * length for shape in by_vocabulary), sorted(by_vocabulary)
+    accuracy = module.metrics.compute()["generator_accuracy"]
+    expected = (out.generator_logits.argmax(-1) == labels[labels != -100]).float().mean().item()
+    assert accuracy == round(expected, 4)
+
+
+def test_a_sequence_gets_the_same_samples_in_any_batch_and_padding():
+    """With per-sequence draws (masking with a seed), the generator's samples for a sequence are the same alone,
+    padded, and in a batch with others: the draw of each masked token comes from its own sequence's stream."""
+    tok = tokenizer()
+    module = make_module("gdes").eval()  # no dropout: the generator's logits are the sequence's own
+    module.masking = MaskingCollator(tok, objective="rtd", seed=3, mlm_probability=0.5)
+    texts = ["the quick brown fox sat on the mat under a tree", "a dog ran by the river bank today", "paris"]
+    rows = tok(texts)["input_ids"]
+    together = module(**PaddingCollator(tok)([{"input_ids": ids} for ids in rows]))
+    replaced = 0
+    for at, ids in enumerate(rows):
+        longer = rows[0] + rows[1]  # another sequence in its batch, which pads this one
+        alone = module(**PaddingCollator(tok)([{"input_ids": ids}, {"input_ids": longer}]))
+        assert torch.equal(
+            alone.discriminator_input_ids[0, : len(ids)], together.discriminator_input_ids[at, : len(ids)]
+        )
+        replaced += int(alone.discriminator_labels[0, : len(ids)].sum())
+    assert replaced > 0  # some samples differ from the original: the comparison saw samples, not copies
+    module.masking.step = 1
+    assert not torch.equal(
+        module(**PaddingCollator(tok)([{"input_ids": ids} for ids in rows])).discriminator_input_ids,
+        together.discriminator_input_ids,
+    )
 
 
 def test_sampling_carries_no_gradient_and_sharing_needs_equal_widths():

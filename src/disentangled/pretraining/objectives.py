@@ -353,11 +353,14 @@ class PretrainingMetrics:
 
     @torch.no_grad()
     def update_generator(self, loss: Tensor, logits: Tensor, labels: Tensor) -> None:
+        """`logits` [B, L, V], or [M, V] at the M masked tokens (`sparse_prediction`)."""
         picked = labels != IGNORE_INDEX
+        predicted = logits.argmax(-1)
+        correct = (predicted == labels[picked]) if predicted.dim() == 1 else (predicted == labels) & picked
         self._add("steps", torch.ones((), device=labels.device))
         self._add("generator_loss", loss)
         self._add("masked", picked.sum())
-        self._add("masked_correct", ((logits.argmax(-1) == labels) & picked).sum())
+        self._add("masked_correct", correct.sum())
 
     @torch.no_grad()
     def update_discriminator(self, loss: Tensor, logits: Tensor, labels: Tensor) -> None:
@@ -478,7 +481,7 @@ class PretrainingOutput(ModelOutput):
     loss: Tensor | None = None
     generator_loss: Tensor | None = None
     discriminator_loss: Tensor | None = None
-    generator_logits: Tensor | None = None
+    generator_logits: Tensor | None = None  # [M, V] at the M masked tokens (labels != -100), in row-major order
     discriminator_logits: Tensor | None = None
     discriminator_labels: Tensor | None = None
     discriminator_input_ids: Tensor | None = None
@@ -540,19 +543,23 @@ class ReplacedTokenDetectionPretraining(nn.Module):
             if self.masking is None:
                 raise ValueError("give `labels` (the original ids of masked tokens, -100 elsewhere) or `masking=`")
             input_ids, labels = self.masking.mask(input_ids, attention_mask)
+        # the generator's head only at the masked tokens: logits [M, V], not [B, L, V]
         generated = self.generator(
-            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            labels=labels,
+            sparse_prediction=True,
         )
         masked = labels != IGNORE_INDEX
         original = torch.where(masked, labels, input_ids)
         with torch.no_grad():  # sample at temperature 1; no gradient flows through the sampling
-            probabilities = torch.softmax(generated.logits[masked].float(), dim=-1)
-            corrupted = original.clone()
             if self.masking is not None and self.masking.seed is not None:  # per sequence, as the masking
-                draws = self.masking.uniform(original, attention_mask, "sample")[masked]  # [masked tokens]
-                corrupted[masked] = sample(probabilities, draws)
+                draws = self.masking.uniform(original, attention_mask, "sample")[masked]  # [M]
             else:
-                corrupted[masked] = torch.multinomial(probabilities, 1).squeeze(-1)
+                draws = torch.rand(generated.logits.shape[0], device=labels.device)
+            corrupted = original.clone()
+            corrupted[masked] = sample(generated.logits.detach(), draws)  # multinomial over softmax(logits)
             rtd_labels = (corrupted != original).long()  # a sample equal to the original is original
             rtd_labels = rtd_labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
         detected = self.discriminator(
@@ -611,8 +618,12 @@ class MaskedLMPretraining(nn.Module):
     ) -> PretrainingOutput:
         if labels is None and self.masking is not None:  # an unmasked batch: mask it here
             input_ids, labels = self.masking.mask(input_ids, attention_mask)
-        output = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels
+        output = self.model(  # with labels, logits only at the masked tokens: [M, V]
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            labels=labels,
+            sparse_prediction=labels is not None,
         )
         loss = output.loss
         if labels is not None:

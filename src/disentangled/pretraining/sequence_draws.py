@@ -8,6 +8,8 @@ generator seeded by the run's seed, the optimizer step and the sequence's own to
 
 so a sequence is masked the same way whichever process holds it, whatever else is in its batch and however much
 padding that batch adds. Two equal sequences in one step are masked alike; the same sequence at another step is not.
+A generator's sample takes one of these draws per masked token (`sample`, an inverse transform over the softmax of
+its logits, a chunk of rows at a time), so sampling holds no [masked tokens, vocabulary] copy of the logits.
 
 A loss averaged over each process's tokens, then averaged over the processes (what DDP, FSDP and ZeRO do to the
 gradients), weighs tokens by how many their process had. `token_shares` gives the factor that turns each process's
@@ -60,12 +62,37 @@ def randint(high: int, input_ids: Tensor, attention_mask: Tensor, seed: int, ste
     return _per_sequence(input_ids, attention_mask, seed, step, stream, draw, 0)
 
 
-def sample(probabilities: Tensor, draws: Tensor) -> Tensor:
-    """One index per row of `probabilities` [M, V], by inverse transform of `draws` [M] in [0, 1): the index i with
-    cdf[i - 1] < u * cdf[-1] <= cdf[i], cdf summed in float64. Distributed as `torch.multinomial(probabilities, 1)`."""
-    cdf = probabilities.double().cumsum(-1)  # [M, V]
-    target = (draws.double() * cdf[:, -1]).unsqueeze(-1)  # [M, 1]
-    return torch.searchsorted(cdf, target).squeeze(-1).clamp(max=probabilities.shape[-1] - 1)
+SAMPLE_CHUNK_ELEMENTS = 2**22  # entries of [rows, V] that `sample` takes at once: 48 MiB of float32 + float64
+
+
+def sample(logits: Tensor, draws: Tensor, chunk_elements: int = SAMPLE_CHUNK_ELEMENTS) -> Tensor:
+    """One index per row of `logits` [M, V], distributed as `torch.multinomial(softmax(logits), 1)`: the inverse
+    transform of `draws` [M] in [0, 1), the index i with cdf[i - 1] < u * cdf[-1] <= cdf[i], where
+
+        p = softmax(logits) in float32,   cdf = cumsum(p) in float64,   one row at a time per chunk of rows.
+
+    Only a chunk of rows (about `chunk_elements` entries) is ever held as probabilities and sums, never [M, V]: at
+    DeBERTa-v3's vocabulary (V = 128,100) and 64 x 512 tokens (M ~ 4,900 masked) the whole float64 copy and its sums
+    were 10 GB. Each row's arithmetic is the same as the whole batch's, so the draws do not depend on the chunking.
+    Logits in float16 / bfloat16 are widened per chunk: the sums are float64 whatever their dtype.
+
+    Why not a race (argmax of logits + Gumbel noise, or of p / Exp(1) noise, as `torch.multinomial` draws one
+    sample): it needs V random numbers per row instead of one, and in float32 they are too coarse at this vocabulary
+    (a float32 uniform's largest value below 1 is 1 - 2^-24, so Gumbel noise stops at 16.6, which the largest of
+    128,100 draws would pass in 0.8% of the rows, and the two largest uniforms tie in 0.5%); in float64 the noise is
+    a [rows, V] float64 chunk, as the sums here are. The inverse transform draws one number per row, from the
+    sequence's own stream, and keeps the draws this function gave when it took the probabilities [M, V] whole."""
+    if logits.dim() != 2 or draws.shape != logits.shape[:1]:
+        raise ValueError(f"sample takes logits [M, V] and draws [M], got {list(logits.shape)} and {list(draws.shape)}")
+    vocabulary = logits.shape[-1]
+    rows = max(1, chunk_elements // max(vocabulary, 1))
+    picked = torch.empty(len(logits), dtype=torch.long, device=logits.device)
+    for start in range(0, len(logits), rows):
+        chunk = slice(start, start + rows)
+        cdf = torch.softmax(logits[chunk].float(), dim=-1).double().cumsum_(-1)  # [rows, V]
+        target = (draws[chunk].double() * cdf[:, -1]).unsqueeze(-1)  # [rows, 1]
+        picked[chunk] = torch.searchsorted(cdf, target).squeeze(-1)
+    return picked.clamp_(max=vocabulary - 1)
 
 
 def token_shares(*counts: Tensor) -> list[Tensor]:
