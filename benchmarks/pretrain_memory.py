@@ -336,6 +336,14 @@ def masked_count(args: argparse.Namespace) -> int:
     return int((labels != -100).sum())
 
 
+LOOP_LABELS = {"ours": "ours (disentangled RTD + GDES)", "electra": "transformers' ELECTRA (generator + discriminator)"}
+
+
+def loop_label(name: str) -> str:
+    """A loop's name as the page shows it: 'ours at 2aca68d' reads 'ours before, at commit 2aca68d'."""
+    return LOOP_LABELS.get(name, name.replace("ours at ", "ours before, at commit "))
+
+
 def markdown(record: dict) -> str:
     """The pretraining page's table for one record: each loop's peak above the built models, against ELECTRA's."""
     figures = record["figures"]
@@ -353,9 +361,8 @@ def markdown(record: dict) -> str:
         "| loop | peak above the models | / ELECTRA's | of which Adam's moments | seconds per step |",
         "|---|---|---|---|---|",
     ]
-    names = {"ours": "ours (disentangled RTD + GDES)", "electra": "transformers' ELECTRA (generator + discriminator)"}
     for name, loop in loops.items():
-        name = names.get(name, name.replace("ours at ", "ours before, at commit "))
+        name = loop_label(name)
         seconds = f"{loop['step_seconds']:.2f}" if loop.get("step_seconds") else f"{loop['first_step_seconds']:.2f}"
         lines.append(
             f"| {name} | {loop['peak_gib']:.2f} GiB | {loop['peak_gib'] / electra:.2f}x "

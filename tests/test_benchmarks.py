@@ -425,7 +425,7 @@ def test_pretrain_memory_benchmark_reports_every_loop(tmp_path):
     full["figures"]["vocab_size"] = 128100
     page = pretrain_memory.section([record, full])
     for name in figures["loops"]:
-        assert f"| {name} |" in page
+        assert f"| {pretrain_memory.loop_label(name)} |" in page
 
 
 def test_balanced_accuracy_against_hand_computed():
