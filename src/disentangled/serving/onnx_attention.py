@@ -1,0 +1,131 @@
+"""Disentangled attention as ONNX Runtime runs it fast: the position terms as one additive bias, built from products
+and copies, and `com.microsoft.MultiHeadAttention` on top.
+
+    A_ij = q_i . k_j * scaling + c2p[i, j] + p2c[i, j] + mask[j]      (scaling folded into Kr and Qr, as in PyTorch)
+
+While a model is exported to ONNX (`torch.onnx.export`, the exporter torch uses by default; `disentangled
+export-onnx`; also transformers' DeBERTa after `disentangled.accelerate(model)`), our sdpa backend asks
+`fused_attention` for the attention of each layer. It writes:
+
+- c2p without gathers over [B, H, L, L]: the relative rows are taken once per distance, in descending order of
+  d = i - j (`Kr_by_distance` [H, 2L, D], L - 1 down to -L, the last one spare), and one product gives
+  X[i, e] = q_i . Kr[δ(L - 1 - e)] ([B, H, L, 2L]). Row i of c2p reads X[i, L - 1 - i + j], so c2p is X flattened,
+  shifted by L - 1 and read with rows of 2L - 1 (`relative_shift`: a slice and a reshape, no index);
+- p2c the same way from the keys' side: Y[j, e] = k_j . Qr[δ(e - L + 1)], ascending d, gives p2c transposed
+  ([B, H, j, i]); one transpose turns it round;
+- the key mask added to the bias ([B, 1, 1, L]), finfo.min where a key is padding, as in PyTorch;
+- `com.microsoft.MultiHeadAttention` (ONNX Runtime's CPU and CUDA providers) with that bias as attention_bias.
+
+The products by distance read 2L relative rows where the eager graph reads all 2S by bucket (S buckets a side): for
+L up to S that is no more work, and beyond it more products but none of the eager graph's [B, H, L, L] int64
+gathers, which onnxruntime's CPU provider runs element by element (docs/serving.md gives the figures). What is never
+made: an [L, L] index, a gather over [B, H, L, L].
+
+`graph("portable")` (`export-onnx --portable`) keeps the standard-operator graph that any ONNX runtime runs (the
+dense bias and plain attention). Under torch's older TorchScript exporter (`dynamo=False`), p2p terms, or a torch
+without `torch.onnx.ops`, the portable graph is written too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from ..modeling import sdpa_attention
+from ..modeling.disentangled_attention import PositionScores
+
+GRAPHS = ("fused", "portable")
+_graph = "fused"
+MS_DOMAIN = "com.microsoft"
+
+
+def current_graph() -> str:
+    """The graph the next ONNX export writes: "fused" (the default) or "portable"."""
+    return _graph
+
+
+@contextlib.contextmanager
+def graph(kind: str) -> Iterator[None]:
+    """Within the block, ONNX exports write `kind` attention: "fused" (ONNX Runtime's MultiHeadAttention with the
+    position terms as its bias) or "portable" (standard operators only)."""
+    global _graph
+    if kind not in GRAPHS:
+        raise ValueError(f"ONNX attention graph {kind!r} is not one of {list(GRAPHS)}")
+    previous, _graph = _graph, kind
+    try:
+        yield
+    finally:
+        _graph = previous
+
+
+def fused_available() -> bool:
+    """Whether this torch can write the fused graph (`torch.onnx.ops.symbolic`, torch 2.8 on)."""
+    return hasattr(getattr(torch.onnx, "ops", None), "symbolic")
+
+
+def relative_shift(by_distance: Tensor) -> Tensor:
+    """[..., L, 2L] -> [..., L, L]: out[i, j] = by_distance[i, L - 1 - i + j], a slice and a reshape of the flat rows."""
+    length = by_distance.shape[-2]
+    flat = by_distance.flatten(-2)[..., length - 1 : length - 1 + length * (2 * length - 1)]
+    return flat.unflatten(-1, (length, 2 * length - 1))[..., :length]
+
+
+def rows_by_distance(relative: Tensor, scores: PositionScores, descending: bool) -> Tensor:
+    """relative [H, 2S, D] -> [H, 2L, D]: the row of each distance d, L - 1 down to -L (or -(L - 1) up to L);
+    the one at -L / L is a spare that no entry reads (it makes the rows 2L long, also at L = 1)."""
+    positions = scores.positions
+    length = positions.length
+    steps = torch.arange(2 * length, device=relative.device)
+    distance = (length - 1) - steps if descending else steps - (length - 1)
+    index = distance.clamp(1 - length, length - 1) + (length - 1)  # into the by-distance column vector
+    return relative.index_select(-2, positions.column[index])
+
+
+def terms_by_distance(query: Tensor, key: Tensor, scores: PositionScores) -> Tensor:
+    """c2p + p2c [B, H, L, L] from products by distance and relative shifts."""
+    bias = None
+    if scores.pos_key is not None:  # c2p: q_i . Kr[δ(i, j)]
+        kr = rows_by_distance(scores.pos_key, scores, descending=True)  # [H, 2L, D]
+        bias = relative_shift(query @ kr.mT)  # [B, H, L, L]
+    if scores.pos_query is not None:  # p2c: k_j . Qr[δ(i, j)], made as [B, H, j, i]
+        qr = rows_by_distance(scores.pos_query, scores, descending=False)
+        p2c = relative_shift(key @ qr.mT).mT
+        bias = p2c if bias is None else bias + p2c
+    return bias
+
+
+def fused_attention(
+    query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, scaling: float, scores: PositionScores
+) -> Tensor | None:
+    """The attention of one layer for the fused graph: [B, L, H, D], or None where the portable graph is written."""
+    if _graph != "fused" or not fused_available() or torch.jit.is_tracing() or scores.p2p is not None:
+        return None
+    batch, heads, length, dim = query.shape
+    bias = terms_by_distance(query, key, scores)  # c2p + p2c, or None
+    if attention_mask is not None:  # [B, 1, 1 | L, L] bool -> additive
+        minimum = torch.finfo(query.dtype).min
+        mask = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(~attention_mask, minimum)
+        bias = mask.expand(batch, heads, length, length) if bias is None else bias + mask
+    inputs = [x.transpose(1, 2).reshape(batch, length, heads * dim) for x in (query, key, value)]
+    if bias is not None and bias.shape[0] != batch:  # no mask: the terms' batch is 1 only if the input's is
+        bias = bias.expand(batch, heads, length, length)
+    context = torch.onnx.ops.symbolic(
+        f"{MS_DOMAIN}::MultiHeadAttention",
+        [
+            *inputs,
+            None,
+            None,
+            bias,
+        ],  # query, key, value, bias (of the projections: none), key_padding_mask, attention_bias
+        {"num_heads": heads, "scale": float(scaling)},
+        dtype=query.dtype,
+        shape=(batch, length, heads * dim),
+        version=1,
+    )
+    return context.unflatten(-1, (heads, dim))
+
+
+sdpa_attention.set_onnx_attention(fused_attention)
