@@ -121,9 +121,17 @@ def load_model(
     config = DisentangledConfig.from_pretrained(model_dir)
     task = resolve_task(config, task)
     model_class, _ = TASKS[task]
-    model = model_class.from_pretrained(
-        model_dir, config=config, use_safetensors=True, attn_implementation=attn_implementation
-    )
+    from transformers.utils import logging as transformers_logging
+
+    bar = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()  # "Loading weights" of a local folder tells the user nothing
+    try:
+        model = model_class.from_pretrained(
+            model_dir, config=config, use_safetensors=True, attn_implementation=attn_implementation
+        )
+    finally:
+        if bar:
+            transformers_logging.enable_progress_bar()
     return model.eval(), task
 
 
