@@ -112,7 +112,9 @@ def test_every_head_matches_pytorch(tmp_path, head, config_name, portable):
     path = tmp_path / "model.onnx"
     onnx_export.export(model, task, path, portable=portable)
     assert onnx_export.multi_head_attention_nodes(onnx.load(str(path)).graph) == (0 if portable else 2)
-    figures = onnx_export.parity(model, task, path, SHAPES)
+    # v3: 80 tokens reach beyond max_relative_positions (64), where the products by distance stop and an edge pad
+    # gives the farther columns
+    figures = onnx_export.parity(model, task, path, SHAPES + ([(2, 80)] if config_name == "v3" else []))
     print(head, config_name, {f"{b}x{n}": f"{f['max_abs_diff']:.1e}" for (b, n), f in figures.items()})
     assert max(onnx_export.relative_error(figure) for figure in figures.values()) <= TOLERANCE, figures
 

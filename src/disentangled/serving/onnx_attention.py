@@ -33,6 +33,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 from ..modeling import sdpa_attention
 from ..modeling.disentangled_attention import PositionScores
@@ -73,26 +74,35 @@ def relative_shift(by_distance: Tensor) -> Tensor:
     return flat.unflatten(-1, (length, 2 * length - 1))[..., :length]
 
 
-def rows_by_distance(relative: Tensor, scores: PositionScores, descending: bool) -> Tensor:
-    """relative [H, 2S, D] -> [H, 2L, D]: the row of each distance d, L - 1 down to -L (or -(L - 1) up to L);
-    the one at -L / L is a spare that no entry reads (it makes the rows 2L long, also at L = 1)."""
+def near_distances(scores: PositionScores) -> int | torch.SymInt:
+    """How far the products go: to the bucket settings' reach, where the column stops changing, or to L - 1."""
     positions = scores.positions
-    length = positions.length
-    steps = torch.arange(2 * length, device=relative.device)
-    distance = (length - 1) - steps if descending else steps - (length - 1)
-    index = distance.clamp(1 - length, length - 1) + (length - 1)  # into the by-distance column vector
-    return relative.index_select(-2, positions.column[index])
+    longest = positions.length - 1
+    return longest if positions.reach is None else torch.sym_min(longest, positions.reach)
 
 
-def terms_by_distance(query: Tensor, key: Tensor, scores: PositionScores) -> Tensor:
+def by_distance(content: Tensor, relative: Tensor, scores: PositionScores, descending: bool) -> Tensor:
+    """content [B, H, L, D] against the relative row of each distance d, L - 1 down to -L (or -(L - 1) up to L):
+    [B, H, L, 2L]. Only the distances up to `near_distances` are products; the columns beyond copy the last of them
+    (an edge pad), as every farther distance reads the same row. The column of -L (or L) is a spare no entry reads."""
+    positions = scores.positions
+    length, near = positions.length, near_distances(scores)
+    steps = torch.arange(2 * near + 1, device=relative.device)
+    distance = near - steps if descending else steps - near  # [2 * near + 1]
+    rows = relative.index_select(-2, positions.column[distance + (length - 1)])  # [H, 2 * near + 1, D]
+    products = content @ rows.mT  # [B, H, L, 2 * near + 1]
+    return F.pad(products, (length - 1 - near, length - near, 0, 0), mode="replicate")  # 4-D: last two axes
+
+
+def terms_by_distance(query: Tensor, key: Tensor, scores: PositionScores) -> Tensor | None:
     """c2p + p2c [B, H, L, L] from products by distance and relative shifts."""
     bias = None
-    if scores.pos_key is not None:  # c2p: q_i . Kr[δ(i, j)]
-        kr = rows_by_distance(scores.pos_key, scores, descending=True)  # [H, 2L, D]
-        bias = relative_shift(query @ kr.mT)  # [B, H, L, L]
-    if scores.pos_query is not None:  # p2c: k_j . Qr[δ(i, j)], made as [B, H, j, i]
-        qr = rows_by_distance(scores.pos_query, scores, descending=False)
-        p2c = relative_shift(key @ qr.mT).mT
+    if scores.pos_key is not None:  # c2p: q_i . Kr[δ(i, j)], from X[i, e] = q_i . Kr[δ(L - 1 - e)]
+        bias = relative_shift(by_distance(query, scores.pos_key, scores, descending=True))  # [B, H, L, L]
+    if (
+        scores.pos_query is not None
+    ):  # p2c: k_j . Qr[δ(i, j)], made as [B, H, j, i] from Y[j, e] = k_j . Qr[δ(e - L + 1)]
+        p2c = relative_shift(by_distance(key, scores.pos_query, scores, descending=False)).mT
         bias = p2c if bias is None else bias + p2c
     return bias
 
