@@ -133,3 +133,48 @@ def test_multi_worker_server_load_test(tmp_path):
     assert " p50 " in result.stdout and " p99 " in result.stdout
     difference = float(result.stdout.split("largest logit difference from the single process ")[1].split()[0])
     assert difference <= 1e-4
+
+
+def test_onnx_runtime_recipe(tmp_path, monkeypatch, capsys):
+    """docs/serving.md's ONNX Runtime recipe, read from the page and run as written, on a classifier and a reranker
+    exported here; its predictions are the PyTorch models' own."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    import re
+
+    from disentangled import cli
+
+    page = (ROOT / "docs" / "serving.md").read_text()
+    block = re.search(
+        r"<!-- covered: tests/test_serving.py::test_onnx_runtime_recipe[^\n]*\n```python\n(.*?)```", page, re.S
+    )
+    assert block, "the recipe block of docs/serving.md"
+    tokenizer = tiny_tokenizer()
+    models = {}
+    for name, labels in (("classifier", 2), ("reranker", 1)):
+        config = disentangled.DisentangledConfig(
+            **{**TINY, "num_labels": labels}, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id
+        )
+        torch.manual_seed(labels)
+        models[name] = disentangled.DisentangledForSequenceClassification(config).eval()
+        models[name].save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+        assert cli.main(["export-onnx", str(tmp_path / name), str(tmp_path / f"{name}.onnx")]) == 0
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    namespace = {}
+    exec(compile(block[1], "docs/serving.md", "exec"), namespace)  # noqa: S102  (the page's own code)
+    printed = capsys.readouterr().out
+    print(printed)
+    with torch.no_grad():
+        encoded = tokenizer(namespace["texts"], padding=True, return_tensors="pt")
+        probabilities = models["classifier"](
+            input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"]
+        ).logits.softmax(-1)
+        pairs = tokenizer([namespace["query"]] * 3, namespace["passages"], padding=True, return_tensors="pt")
+        scores = models["reranker"](input_ids=pairs["input_ids"], attention_mask=pairs["attention_mask"]).logits[:, 0]
+    labels = models["classifier"].config.id2label
+    assert namespace["predictions"] == [
+        (labels[int(row.argmax())], pytest.approx(float(row.max()), abs=1e-5)) for row in probabilities
+    ]
+    torch.testing.assert_close(torch.from_numpy(namespace["scores"]), scores, rtol=1e-5, atol=1e-5)
