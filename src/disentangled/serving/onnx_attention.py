@@ -1,5 +1,5 @@
-"""Disentangled attention as ONNX Runtime runs it fast: the position terms as one additive bias, built from products
-and copies, and `com.microsoft.MultiHeadAttention` on top.
+"""Disentangled attention for ONNX Runtime's fused attention: the position terms as one additive bias, built from
+products and copies, and `com.microsoft.MultiHeadAttention` on top.
 
     A_ij = q_i . k_j * scaling + c2p[i, j] + p2c[i, j] + mask[j]      (scaling folded into Kr and Qr, as in PyTorch)
 
@@ -8,18 +8,20 @@ export-onnx`; also transformers' DeBERTa after `disentangled.accelerate(model)`)
 `fused_attention` for the attention of each layer. It writes:
 
 - c2p without gathers over [B, H, L, L]: the relative rows are taken once per distance, in descending order of
-  d = i - j (`Kr_by_distance` [H, 2L, D], L - 1 down to -L, the last one spare), and one product gives
-  X[i, e] = q_i . Kr[δ(L - 1 - e)] ([B, H, L, 2L]). Row i of c2p reads X[i, L - 1 - i + j], so c2p is X flattened,
-  shifted by L - 1 and read with rows of 2L - 1 (`relative_shift`: a slice and a reshape, no index);
+  d = i - j, and one product gives X[i, e] = q_i . Kr[δ(L - 1 - e)] ([B, H, L, 2L]; `by_distance`). Only the
+  distances up to the bucket settings' reach are products (beyond it every distance reads the same row): an edge pad
+  gives the farther columns. Row i of c2p reads X[i, L - 1 - i + j], so c2p is X flattened, shifted by L - 1 and read
+  with rows of 2L - 1 (`relative_shift`: a slice and a reshape, no index);
 - p2c the same way from the keys' side: Y[j, e] = k_j . Qr[δ(e - L + 1)], ascending d, gives p2c transposed
   ([B, H, j, i]); one transpose turns it round;
 - the key mask added to the bias ([B, 1, 1, L]), finfo.min where a key is padding, as in PyTorch;
 - `com.microsoft.MultiHeadAttention` (ONNX Runtime's CPU and CUDA providers) with that bias as attention_bias.
 
-The products by distance read 2L relative rows where the eager graph reads all 2S by bucket (S buckets a side): for
-L up to S that is no more work, and beyond it more products but none of the eager graph's [B, H, L, L] int64
-gathers, which onnxruntime's CPU provider runs element by element (docs/serving.md gives the figures). What is never
-made: an [L, L] index, a gather over [B, H, L, L].
+The products read at most 2 * reach + 1 relative rows (the eager graph reads all 2S by bucket) and none of the eager
+graph's [B, H, L, L] int64 gathers, which onnxruntime's CPU provider runs element by element. What remains are
+copies over [B, H, L, L] (the pad, the shift's slices, p2c's transpose, the adds) and MultiHeadAttention's own: on
+the CPU it keeps the whole [B, H, L, L] probabilities and copies the bias into them (`python -m
+benchmarks.onnx_runtime` has the figures). What is never made: an [L, L] index, a gather over [B, H, L, L].
 
 `graph("portable")` (`export-onnx --portable`) keeps the standard-operator graph that any ONNX runtime runs (the
 dense bias and plain attention). Under torch's older TorchScript exporter (`dynamo=False`), p2p terms, or a torch
