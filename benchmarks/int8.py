@@ -6,7 +6,8 @@
 Speed (DeBERTa-v3-base shape, random weights, `--layers` layers, interleaved medians, one call of each per
 round): our float32 PyTorch model (sdpa) against torch's dynamic int8 (`disentangled.quantize_dynamic`, with its
 default engine, and with torch's own default engine x86 as `ours-torch-int8-x86`),
-onnxruntime float32 (`export-onnx`) and onnxruntime int8 (`export-onnx --quantize int8`), and a same-size BERT
+onnxruntime float32 (`export-onnx`) and onnxruntime int8 (`export-onnx --quantize int8`, and the same with one
+weight scale per output channel as `onnxruntime-int8-per-channel`), and a same-size BERT
 with sdpa in float32. onnxruntime runs with as many threads as torch, thread spinning off (spinning threads
 would take the cores from the next model in the round).
 
@@ -46,6 +47,7 @@ PATHS = [
     "ours-torch-int8-x86",
     "onnxruntime-float32",
     "onnxruntime-int8",
+    "onnxruntime-int8-per-channel",
     "bert-sdpa",
 ]
 # torch's default quantized engine, for comparison with ours (oneDNN where the CPU has AMX: `default_engine`)
@@ -54,20 +56,23 @@ SMALL = dict(hidden_size=256, num_attention_heads=4, intermediate_size=1024)  # 
 
 
 def onnx_pair(model: torch.nn.Module, task: str, folder: Path, threads: int) -> dict:
-    """`export-onnx`'s float32 and int8 graphs of `model` (traced with eager attention, the command's default),
+    """`export-onnx`'s float32 and int8 graphs of `model` (traced with sdpa attention, the command's default: the fused graph),
     as onnxruntime sessions."""
     float_path, int8_path = folder / f"{task}-float32.onnx", folder / f"{task}-int8.onnx"
     backend = model.config._attn_implementation
-    model.set_attn_implementation("eager")
+    model.set_attn_implementation(onnx_export.DEFAULT_ATTENTION)
     try:
         onnx_export.export(model, task, float_path)
     finally:
         model.set_attn_implementation(backend)
     onnx_export.lean_graph(float_path)
     onnx_export.quantize_int8(float_path, int8_path)
+    per_channel = folder / f"{task}-int8-per-channel.onnx"
+    onnx_export.quantize_int8(float_path, per_channel, per_channel=True)
     return {
         "onnxruntime-float32": onnx_export.session(float_path, threads, spinning=False),
         "onnxruntime-int8": onnx_export.session(int8_path, threads, spinning=False),
+        "onnxruntime-int8-per-channel": onnx_export.session(per_channel, threads, spinning=False),
     }
 
 
@@ -328,7 +333,7 @@ def markdown(report: dict) -> str:
     lines.append("|---|---|---|---|---|")
     for task, result in report["agreement"].items():
         lines.append(f"| {task} | ours-float32 | - | - | {result['accuracy']['ours-float32']:.3f} |")
-        for name in ("ours-torch-int8", "onnxruntime-float32", "onnxruntime-int8"):
+        for name in ("ours-torch-int8", "onnxruntime-float32", "onnxruntime-int8", "onnxruntime-int8-per-channel"):
             figure = result[name]
             lines.append(
                 f"| {task} ({result['texts']} texts) | {name} | {figure['agreement']:.3f} | "

@@ -96,6 +96,9 @@ class RelativePositions:
     # and `far_columns[1]` for every d >= near[1]. Python ints, so that reading them costs no device sync.
     near: tuple[int, int] = (0, 0)
     far_columns: tuple[int, int] = (0, 0)
+    # A distance from which on (|d| >= reach) the column is the one at +-reach, for any length: from the bucket
+    # settings alone, so that a traced graph can use it (the ONNX export's products by distance); None: unknown.
+    reach: int | None = None
     # Buffers that the blocks and layers of a forward reuse (sdpa on the CPU: in inference T, U's bands and the
     # bias; in training the c2p and p2c tables of a block and their gradients): a tensor above glibc's mmap
     # threshold is fresh memory on every allocation, whose pages fault on first touch.
@@ -108,7 +111,9 @@ class RelativePositions:
     ) -> RelativePositions:
         if is_tracing():  # no data-dependent Python values in a graph: all rows, and no far split (sdpa runs dense)
             column = relative_index_by_distance(length, span, bucket_size, max_position, device)
-            return cls(column=column, rows=slice(0, 2 * span), near=(1 - length, length - 1), far_columns=(0, 0))
+            # log buckets reach the last one at max_position at the latest; without them the clip is at +-span
+            reach = max_position if bucket_size > 0 else span
+            return cls(column=column, rows=slice(0, 2 * span), near=(1 - length, length - 1), reach=reach)
         # Built on the CPU (a few thousand integers), so that the reachable range costs no device sync.
         by_distance = relative_index_by_distance(length, span, bucket_size, max_position, "cpu")
         first, last = by_distance.min().item(), by_distance.max().item()

@@ -48,6 +48,16 @@ SDPA_BLOCK_ELEMENTS_ACCELERATOR = 1 << 26
 # (`native.hankel_bias`) where it runs (float32 or bfloat16, `native.available()`); else with gather / scatter_add
 USE_TRAINING_KERNEL = True
 logger = logging.getLogger(__name__)
+# While a model is exported to ONNX: the package's graph for ONNX Runtime (`disentangled.serving.onnx_attention`,
+# set when the package is imported; the Hub bundle alone writes the portable graph below)
+_onnx_attention = None
+
+
+def set_onnx_attention(function) -> None:
+    """`function(query, key, value, attention_mask, scaling, position_scores)` -> context [B, L, H, D] or None, asked
+    first while a model is exported to ONNX."""
+    global _onnx_attention
+    _onnx_attention = function
 
 
 def sdpa_disentangled(
@@ -70,6 +80,10 @@ def sdpa_disentangled(
     """
     batch, heads, length, _ = query.shape
     on_cpu = query.device.type == "cpu"
+    if _onnx_attention is not None and position_scores is not None and torch.onnx.is_in_onnx_export():
+        context = _onnx_attention(query, key, value, attention_mask, scaling, position_scores)
+        if context is not None:  # the package's ONNX Runtime graph; None: the portable one below
+            return context, None
     if position_scores is None or is_tracing():  # one dense bias: a graph compile and export can follow
         bias = position_scores.bias().to(query.dtype) if position_scores is not None else None
         if attention_mask is not None:  # finfo.min, not -inf: a fully masked row is uniform, as in eager

@@ -450,8 +450,9 @@ def test_int8_benchmark_reports_every_path(tmp_path):
     assert all(seconds > 0 for seconds in report["timing"][0]["times"].values())
     assert set(report["agreement"]) == {"classifier", "fill-mask"}
     for result in report["agreement"].values():
-        assert set(result["accuracy"]) == {"ours-float32", "ours-torch-int8", "onnxruntime-float32", "onnxruntime-int8"}
-        for name in ("ours-torch-int8", "onnxruntime-float32", "onnxruntime-int8"):
+        int8_graphs = ("onnxruntime-int8", "onnxruntime-int8-per-channel")
+        assert set(result["accuracy"]) == {"ours-float32", "ours-torch-int8", "onnxruntime-float32", *int8_graphs}
+        for name in ("ours-torch-int8", "onnxruntime-float32", *int8_graphs):
             assert 0.0 <= result[name]["agreement"] <= 1.0 and result[name]["max_prob_diff"] >= 0.0
     assert "onnxruntime-int8" in report["markdown"] and report["machine"].split(" (")[0] in report["markdown"]
 

@@ -3,12 +3,17 @@
 - `quantization.py`: int8 in PyTorch, `quantize_dynamic(model)` (oneDNN's int8 products where the CPU has AMX) and
   `default_engine()`;
 - `onnx_export.py`: `disentangled export-onnx`, a model folder to ONNX (float32, or int8 with every matrix product
-  quantized), checked against PyTorch with onnxruntime.
+  quantized), checked against PyTorch with onnxruntime;
+- `onnx_attention.py`: the attention that ONNX exports write for ONNX Runtime (MultiHeadAttention with the position
+  terms as its bias), set up when the package is imported, also for `torch.onnx.export` of accelerated models;
+- `forking.py`: a process forked after the model ran (a preloading server's workers) runs torch on one thread, where
+  GNU OpenMP's threads would hang it.
 
 Exports `quantize_dynamic` and `default_engine`; the package root exports `quantize_dynamic` too, and
 `disentangled.quantization` names `quantization.py` there.
 """
 
+from . import forking, onnx_attention  # noqa: F401  (forked children on one thread; the ONNX export's attention)
 from .quantization import default_engine, quantize_dynamic
 
 __all__ = ["quantize_dynamic", "default_engine"]

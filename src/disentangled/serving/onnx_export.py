@@ -1,9 +1,13 @@
 """`disentangled export-onnx MODEL_DIR OUT.onnx`: a model folder to ONNX, checked against PyTorch with onnxruntime.
 
 Uses PyTorch's current exporter (`torch.onnx.export(..., dynamo=True)`, through `torch.export`) with dynamic
-batch and sequence axes (and choices, for multiple choice). The relative bucket index is computed inside the
-graph from the symbolic length, so one file serves every length; the absolute position table, where the model
-has one, bounds the length at `max_position_embeddings`.
+batch and sequence axes (and choices, for multiple choice), the model in eval mode. The relative bucket index is
+computed inside the graph from the symbolic length, so one file serves every length; the absolute position table,
+where the model has one, bounds the length at `max_position_embeddings`.
+
+The attention is written for ONNX Runtime (`onnx_attention.py`: `com.microsoft.MultiHeadAttention` with the position
+terms as its bias, made by products and relative shifts); `--portable` writes standard operators only, for other
+runtimes. The exporter's own messages (warnings, progress) are kept from the user unless it fails.
 
 The exported graph does not validate its input (tracing skips the checks of `modeling/validation.py`): token ids
 outside the vocabulary make onnxruntime fail on a Gather, or read garbage on some providers. Validate before
@@ -24,10 +28,14 @@ classes are this package's, never code from the folder (`trust_remote_code` is n
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import logging
 import os
+import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -43,6 +51,7 @@ from ..modeling import (
     DisentangledModel,
 )
 from ..modeling.modeling_disentangled import DISENTANGLED_ATTENTION_FUNCTIONS
+from . import onnx_attention
 
 # task -> (class, output names)
 TASKS = {
@@ -63,7 +72,8 @@ ARCHITECTURES = {
 }
 NOT_EXPORTABLE = {"flex_attention": "ONNX has no FlexAttention operator; use eager or sdpa"}
 DEFAULT_OPSET = 18
-TOLERANCE = 1e-4
+DEFAULT_ATTENTION = "sdpa"  # the backend whose export writes the fused graph (`onnx_attention.py`)
+TOLERANCE = 1e-5
 QUANTIZATIONS = ["int8"]
 MIN_AGREEMENT = 0.99  # int8 check: share of predictions (argmax) that must match the float32 model's
 
@@ -90,7 +100,9 @@ def resolve_task(config: DisentangledConfig, task: str) -> str:
     return "base"
 
 
-def load_model(model_dir: str | Path, task: str = "auto", attn_implementation: str = "eager") -> tuple[nn.Module, str]:
+def load_model(
+    model_dir: str | Path, task: str = "auto", attn_implementation: str = DEFAULT_ATTENTION
+) -> tuple[nn.Module, str]:
     """Our class for the folder's task, from its config.json and safetensors weights only."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -109,9 +121,17 @@ def load_model(model_dir: str | Path, task: str = "auto", attn_implementation: s
     config = DisentangledConfig.from_pretrained(model_dir)
     task = resolve_task(config, task)
     model_class, _ = TASKS[task]
-    model = model_class.from_pretrained(
-        model_dir, config=config, use_safetensors=True, attn_implementation=attn_implementation
-    )
+    from transformers.utils import logging as transformers_logging
+
+    bar = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()  # "Loading weights" of a local folder tells the user nothing
+    try:
+        model = model_class.from_pretrained(
+            model_dir, config=config, use_safetensors=True, attn_implementation=attn_implementation
+        )
+    finally:
+        if bar:
+            transformers_logging.enable_progress_bar()
     return model.eval(), task
 
 
@@ -130,8 +150,12 @@ def example_inputs(
     return inputs
 
 
-def export(model: nn.Module, task: str, path: str | Path, opset: int = DEFAULT_OPSET) -> None:
-    """Export with dynamic batch and sequence axes (and choices); the file is written at `path`."""
+def export(model: nn.Module, task: str, path: str | Path, opset: int = DEFAULT_OPSET, portable: bool = False) -> None:
+    """Export with dynamic batch and sequence axes (and choices); the file is written at `path`.
+
+    The model runs in eval mode (its mode is restored after). Without `portable`, the attention is ONNX Runtime's
+    MultiHeadAttention with the position terms as its bias (`onnx_attention.py`; sdpa's export) and a ValueError
+    says so if the exporter wrote another graph."""
     config = model.config
     _, output_names = TASKS[task]
     batch = torch.export.Dim("batch")
@@ -144,18 +168,58 @@ def export(model: nn.Module, task: str, path: str | Path, opset: int = DEFAULT_O
     )
     # Traced sizes all differ (2, 3, 11), so that no two axes are taken for the same symbol.
     inputs = example_inputs(config, task, batch=2, length=min(11, max_length or 11), choices=3)
-    program = torch.onnx.export(
-        ExportWrapper(model, output_names),
-        (),
-        kwargs=inputs,
-        dynamo=True,
-        dynamic_shapes={name: axes for name in inputs},
-        input_names=list(inputs),
-        output_names=output_names,
-        opset_version=opset,
-        verbose=False,
-    )
+    training = model.training
+    wrapper = ExportWrapper(model, output_names).eval()
+    try:
+        with onnx_attention.graph("portable" if portable else "fused"), quiet_exporter():
+            program = torch.onnx.export(
+                wrapper,
+                (),
+                kwargs=inputs,
+                dynamo=True,
+                dynamic_shapes={name: axes for name in inputs},
+                input_names=list(inputs),
+                output_names=output_names,
+                opset_version=opset,
+                verbose=False,
+            )
+    finally:
+        model.train(training)
+    if not portable and fused_layers(model) and not multi_head_attention_nodes(program.model_proto.graph):
+        raise ValueError(
+            "the exporter did not write ONNX Runtime's fused attention for this model; pass --portable for the "
+            "standard-operator graph"
+        )
     program.save(str(path))
+
+
+def fused_layers(model: nn.Module) -> bool:
+    """Whether the fused graph applies: the sdpa backend, with position terms and no p2p."""
+    config = model.config
+    terms = config.pos_att_type if config.relative_attention else []
+    return (config._attn_implementation or "eager") == "sdpa" and bool(terms) and "p2p" not in terms
+
+
+def multi_head_attention_nodes(graph) -> int:
+    return sum(node.op_type == "MultiHeadAttention" for node in graph.node)
+
+
+@contextlib.contextmanager
+def quiet_exporter():
+    """The exporter's warnings, log lines and prints are not for the user (a "training mode" warning for a model in
+    eval mode, torchvision's absence, constant folding): kept, and shown only if the export fails."""
+    captured = io.StringIO()
+    disabled = logging.root.manager.disable
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+            warnings.simplefilter("ignore")
+            logging.disable(logging.WARNING)
+            yield
+    except BaseException:
+        sys.stderr.write(captured.getvalue())
+        raise
+    finally:
+        logging.disable(disabled)
 
 
 def einsums_to_matmuls(graph) -> int:
@@ -282,26 +346,46 @@ def parity(model: nn.Module, task: str, path: str | Path, shapes: list[tuple[int
 def agreement(
     model: nn.Module, task: str, path: str | Path, shapes: list[tuple[int, int]]
 ) -> dict[tuple[int, int], dict]:
-    """Per (batch, length), on padded random batches: how often the graph at `path` predicts what PyTorch does.
+    """Per (batch, length), on padded random batches: how often the graph at `path` predicts what PyTorch does
+    (`compare_predictions`)."""
+    figures = {}
+    runner = session(path)
+    for batch, length in shapes:
+        inputs = example_inputs(model.config, task, batch, length, seed=batch * 1000 + length, choices=2)
+        figures[(batch, length)] = compare_predictions(model, task, runner, [inputs])
+    return figures
+
+
+def one_score(task: str, model: nn.Module) -> bool:
+    """A reranker or regressor: one logit per sequence, whose order and size are the prediction."""
+    return task == "sequence-classification" and model.config.num_labels == 1
+
+
+def compare_predictions(model: nn.Module, task: str, runner, batches: list[dict]) -> dict:
+    """The graph's predictions (`runner`, an onnxruntime session) against PyTorch's on `batches`.
 
     `agreement` is the share of argmax predictions that match over every output's last axis (a label per
     sequence or token, a start / end position, a choice, a word), padded tokens left out of per-token outputs;
-    `max_prob_diff` the largest change of a softmax probability. For hidden states (task "base"), which
-    predict nothing, `agreement` is the smallest cosine similarity of a token's vector to PyTorch's.
+    `max_prob_diff` the largest change of a softmax probability. With one logit per sequence (rerankers,
+    regressors) argmax says nothing: `agreement` is the share of pairs of sequences ranked in the same order,
+    `max_score_diff` the largest change of a score and `max_rank_change` the largest move of one sequence in the
+    ranking. For hidden states (task "base"), which predict nothing, `agreement` is the smallest cosine similarity
+    of a token's vector to PyTorch's.
     """
-    figures = {}
-    runner = session(path)
     _, output_names = TASKS[task]
-    for batch, length in shapes:
-        inputs = example_inputs(model.config, task, batch, length, seed=batch * 1000 + length, choices=2)
+    matches, max_prob_diff, scores = [], 0.0, ([], [])
+    for inputs in batches:
         with torch.no_grad():
-            expected = ExportWrapper(model, output_names)(**inputs)
+            expected = ExportWrapper(model, output_names).eval()(**inputs)
         actual = runner.run(output_names, {name: value.numpy() for name, value in inputs.items()})
         kept = inputs["attention_mask"].bool()
-        matches, max_prob_diff = [], 0.0
         for quantized, reference in zip(map(torch.from_numpy, actual), expected):
             if task == "base":
                 matches.append(torch.cosine_similarity(quantized, reference, dim=-1)[kept])
+                continue
+            if one_score(task, model):
+                scores[0].append(quantized.flatten())
+                scores[1].append(reference.flatten())
                 continue
             # per-token outputs ([B, L, C] logits; [B, L] start / end logits over positions) keep real tokens
             per_token = reference.dim() == 3 and reference.shape[:2] == kept.shape
@@ -311,13 +395,95 @@ def agreement(
             same = quantized.argmax(-1) == reference.argmax(-1)
             matches.append((same[kept] if per_token else same.flatten()).float())
             max_prob_diff = max(max_prob_diff, (quantized.softmax(-1) - reference.softmax(-1)).abs().max().item())
-        matches = torch.cat(matches)
-        figures[(batch, length)] = {
-            "agreement": (matches.min() if task == "base" else matches.mean()).item(),
-            "predictions": matches.numel(),
-            "max_prob_diff": max_prob_diff,
-        }
-    return figures
+    if scores[0]:
+        return ranking_agreement(torch.cat(scores[0]), torch.cat(scores[1]))
+    matches = torch.cat(matches)
+    return {
+        "agreement": (matches.min() if task == "base" else matches.mean()).item(),
+        "predictions": matches.numel(),
+        "max_prob_diff": max_prob_diff,
+    }
+
+
+def ranking_agreement(scores: Tensor, reference: Tensor) -> dict:
+    """One score per sequence: the share of pairs ordered alike (pairs tied in `reference` left out), the largest
+    change of a score and the largest change of a sequence's rank."""
+    above = reference[:, None] > reference[None, :]  # pairs (a, b) with a ranked above b
+    concordant = (scores[:, None] > scores[None, :]) & above
+    pairs = int(above.sum())
+    ranks = [values.argsort(descending=True).argsort() for values in (scores, reference)]
+    return {
+        "agreement": int(concordant.sum()) / pairs if pairs else 1.0,
+        "predictions": pairs,
+        "max_score_diff": (scores - reference).abs().max().item(),
+        "max_rank_change": int((ranks[0] - ranks[1]).abs().max()),
+    }
+
+
+TEXT_SUFFIXES = {".txt": "text", ".csv": "csv", ".json": "json", ".jsonl": "json"}
+
+
+def read_check_texts(path: str | Path, text_column: str, limit: int) -> list[str]:
+    """Up to `limit` non-empty texts: a .txt file (one per line), or the `text_column` of a .csv / .json(l) file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--check-texts {str(path)!r} is not a file")
+    kind = TEXT_SUFFIXES.get(path.suffix.lower(), "text")
+    with path.open(encoding="utf-8", newline="") as handle:
+        if kind == "text":
+            texts = [line.strip() for line in handle]
+        elif kind == "csv":
+            import csv
+
+            reader = csv.DictReader(handle)
+            if text_column not in (reader.fieldnames or []):
+                raise ValueError(
+                    f"--check-texts {path.name}: no column {text_column!r} (columns: {reader.fieldnames}); "
+                    "set --text-column"
+                )
+            texts = [row[text_column] or "" for row in reader]
+        else:
+            content = handle.read()
+            try:
+                rows = json.loads(content) if path.suffix.lower() == ".json" else None
+            except json.JSONDecodeError:
+                rows = None
+            if rows is None:  # JSON lines
+                rows = [json.loads(line) for line in content.splitlines() if line.strip()]
+            if not all(isinstance(row, dict) and text_column in row for row in rows):
+                raise ValueError(
+                    f"--check-texts {path.name}: every row needs a {text_column!r} field; set --text-column"
+                )
+            texts = [str(row[text_column]) for row in rows]
+    texts = [text for text in texts if text.strip()][:limit]
+    if not texts:
+        raise ValueError(f"--check-texts {path.name}: no text in the file")
+    return texts
+
+
+def text_batches(model_dir: str | Path, config: DisentangledConfig, texts: list[str], batch: int = 32) -> list[dict]:
+    """The texts tokenized by MODEL_DIR's own tokenizer, in padded batches (longest first: little padding)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"--check-texts needs MODEL_DIR's tokenizer to tokenize the texts, and none loads from {str(model_dir)!r} "
+            f"({error}); save the tokenizer into the folder (tokenizer.save_pretrained(MODEL_DIR))"
+        ) from error
+    longest = config.max_position_embeddings if config.position_biased_input else 512
+    texts = sorted(texts, key=len, reverse=True)
+    batches = []
+    for first in range(0, len(texts), batch):
+        encoded = tokenizer(
+            texts[first : first + batch], padding=True, truncation=True, max_length=longest, return_tensors="pt"
+        )
+        inputs = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+        if config.type_vocab_size > 0 and "token_type_ids" in encoded:
+            inputs["token_type_ids"] = encoded["token_type_ids"]
+        batches.append(inputs)
+    return batches
 
 
 def agreement_shapes(config: DisentangledConfig) -> list[tuple[int, int]]:
@@ -343,14 +509,26 @@ def check_shapes(config: DisentangledConfig) -> list[tuple[int, int]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", metavar="MODEL_DIR", help="local folder with config.json and model.safetensors")
+    parser.add_argument(
+        "model_dir",
+        metavar="MODEL_DIR",
+        help="local folder with config.json and model.safetensors: ours, or transformers' deberta-v2",
+    )
     parser.add_argument("output", metavar="OUT.onnx", help="where to write the ONNX file")
-    parser.add_argument("--task", choices=["auto", *TASKS], default="auto", help="head to export (auto: from config)")
+    parser.add_argument(
+        "--task", choices=["auto", *TASKS], default="auto", help="head to export (auto: config.json's architectures)"
+    )
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
     parser.add_argument(
+        "--portable",
+        action="store_true",
+        help="standard ONNX operators only, for runtimes other than ONNX Runtime (slower there)",
+    )
+    parser.add_argument(
         "--attn-implementation",
-        default="eager",
-        help="attention backend traced into the graph (default eager, the reference)",
+        default=DEFAULT_ATTENTION,
+        help=f"attention backend traced into the graph (default {DEFAULT_ATTENTION}: the fused graph; eager writes "
+        "the reference's portable graph)",
     )
     parser.add_argument(
         "--quantize",
@@ -359,13 +537,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="int8: onnxruntime's dynamic quantization of the graph (checked on predictions, not logits)",
     )
     parser.add_argument(
+        "--check-texts",
+        metavar="FILE",
+        default=None,
+        help="--quantize check on your texts: a .txt file (one text a line) or a .csv / .json(l) file (--text-column)",
+    )
+    parser.add_argument("--text-column", default="text", help="the text column of a .csv / .json(l) --check-texts")
+    parser.add_argument(
+        "--check-max-texts", type=int, default=1024, help="--check-texts: at most this many texts (default 1024)"
+    )
+    parser.add_argument(
         "--min-agreement",
         type=float,
         default=MIN_AGREEMENT,
-        help=f"--quantize check: least share of matching predictions (default {MIN_AGREEMENT})",
+        help=f"--quantize check: least share of matching predictions (ranked pairs, for one score) "
+        f"(default {MIN_AGREEMENT})",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace OUT.onnx if it exists")
-    parser.add_argument("--no-check", action="store_true", help="skip the onnxruntime parity check")
+    parser.add_argument("--no-check", action="store_true", help="skip the onnxruntime check")
     parser.add_argument(
         "--tolerance",
         type=float,
@@ -384,48 +573,106 @@ def run(args: argparse.Namespace) -> int:
         raise FileExistsError(f"{str(output)!r} exists; pass --overwrite to replace it")
     if not 0.0 <= args.min_agreement <= 1.0:
         raise ValueError(f"--min-agreement is a share between 0 and 1, got {args.min_agreement}")
+    if args.check_texts and not args.quantize:
+        raise ValueError("--check-texts checks an int8 graph: add --quantize int8 (float32 is checked at --tolerance)")
     model, task = load_model(args.model_dir, args.task, args.attn_implementation)
+    texts = read_check_texts(args.check_texts, args.text_column, args.check_max_texts) if args.check_texts else None
+    portable = args.portable or not fused_layers(model)
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.stem}-") as folder:
-        written = Path(folder) / output.name  # beside OUT.onnx, moved there only once complete
-        export(model, task, written, opset=args.opset)
+        written = Path(folder) / output.name  # beside OUT.onnx, moved there only once complete and checked
+        export(model, task, written, opset=args.opset, portable=args.portable)
         lean_graph(written)
         if args.quantize == "int8":
             quantize_int8(written, Path(folder) / "int8.onnx")
             os.replace(Path(folder) / "int8.onnx", written)
+        graph = "standard operators" if portable else "ONNX Runtime's fused attention"
+        kind = f"{args.quantize} " if args.quantize else ""
+        print(f"exported {task} ({kind}{graph}, opset {args.opset}, dynamic batch and sequence axes)")
+        if not args.no_check:
+            if args.quantize:
+                status = check_predictions(model, task, written, args.min_agreement, args.model_dir, texts)
+            else:
+                status = check_parity(model, task, written, args.tolerance)
+            if status:
+                print(f"nothing written to {output}")
+                return status
         for file in Path(folder).iterdir():  # OUT.onnx and its external data, if the exporter wrote any
             if file.is_file():
                 os.replace(file, output.parent / file.name)
-    kind = f"{args.quantize} " if args.quantize else ""
-    print(f"wrote {output} ({kind}{task}, opset {args.opset}, dynamic batch and sequence axes)")
-    if args.no_check:
-        return 0
-    if args.quantize:
-        return check_predictions(model, task, output, args.min_agreement)
-    figures = parity(model, task, output, check_shapes(model.config))
+    print(f"wrote {output}")
+    return 0
+
+
+def check_parity(model: nn.Module, task: str, path: Path, tolerance: float) -> int:
+    """The float32 graph against PyTorch on padded random batches (`parity`)."""
+    figures = parity(model, task, path, check_shapes(model.config))
     for (batch, length), figure in figures.items():
         print(
             f"onnxruntime vs PyTorch, batch {batch}, length {length}: max |diff| {figure['max_abs_diff']:.2e} "
             f"(outputs up to {figure['max_abs_reference']:.3g}; relative {relative_error(figure):.2e})"
         )
     worst = max(relative_error(figure) for figure in figures.values())
-    if not worst <= args.tolerance:
-        print(f"parity check failed: {worst:.2e} > {args.tolerance:.0e} (max |diff| / max(1, max |output|))")
+    if not worst <= tolerance:
+        print(f"parity check failed: {worst:.2e} > {tolerance:.0e} (max |diff| / max(1, max |output|))")
         return 1
     return 0
 
 
-def check_predictions(model: nn.Module, task: str, path: Path, min_agreement: float) -> int:
-    """The quantized graph's check: its predictions against the float32 PyTorch model's (see `agreement`)."""
-    figures = agreement(model, task, path, agreement_shapes(model.config))
-    measure = "smallest cosine similarity per token" if task == "base" else "argmax agreement"
-    for (batch, length), figure in figures.items():
-        detail = "" if task == "base" else f", max |diff| of a probability {figure['max_prob_diff']:.2e}"
-        print(
-            f"int8 onnxruntime vs float32 PyTorch, batch {batch}, length {length}: {measure} "
-            f"{figure['agreement']:.4f} over {figure['predictions']} predictions{detail}"
+def check_predictions(
+    model: nn.Module,
+    task: str,
+    path: Path,
+    min_agreement: float,
+    model_dir: str | Path | None = None,
+    texts: list[str] | None = None,
+) -> int:
+    """The quantized graph's check: its predictions against the float32 PyTorch model's (`compare_predictions`), on
+    `texts` (tokenized by MODEL_DIR's tokenizer) or else on generated token ids."""
+    runner = session(path)
+    if texts is not None and task != "multiple-choice":
+        figures = {"your texts": compare_predictions(model, task, runner, text_batches(model_dir, model.config, texts))}
+        source = f"{len(texts)} texts of --check-texts"
+    else:
+        figures = {
+            f"batch {batch}, length {length}": compare_predictions(
+                model,
+                task,
+                runner,
+                [example_inputs(model.config, task, batch, length, seed=batch * 1000 + length, choices=2)],
+            )
+            for batch, length in agreement_shapes(model.config)
+        }
+        source = "generated inputs (random token ids)" + (
+            "; multiple choice takes no --check-texts" if texts is not None else ""
         )
+    if task == "base":
+        measure = "smallest cosine similarity per token"
+    elif one_score(task, model):
+        measure = "pairs ranked alike"
+    else:
+        measure = "argmax agreement"
+    for where, figure in figures.items():
+        if one_score(task, model):
+            detail = (
+                f", largest score change {figure['max_score_diff']:.2e}, "
+                f"largest rank change {figure['max_rank_change']}"
+            )
+        elif task != "base":
+            detail = f", largest change of a probability {figure['max_prob_diff']:.2e}"
+        else:
+            detail = ""
+        print(
+            f"int8 onnxruntime vs float32 PyTorch on {where}: {measure} {figure['agreement']:.4f} "
+            f"over {figure['predictions']} predictions{detail}"
+        )
+    print(f"checked on {source}")
+    if texts is None:
+        print("  (pass --check-texts FILE to check on texts like the ones you will serve)")
     worst = min(figure["agreement"] for figure in figures.values())
     if not worst >= min_agreement:
-        print(f"prediction check failed: {measure} {worst:.4f} < {min_agreement} (--min-agreement)")
+        print(
+            f"prediction check failed: {measure} {worst:.4f} < {min_agreement} (--min-agreement). Keep the float32 "
+            "graph (export without --quantize), or, if this change is acceptable for your use, lower --min-agreement"
+        )
         return 1
     return 0
