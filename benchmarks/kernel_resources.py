@@ -62,21 +62,30 @@ def configurations(targets: list[str], lengths: tuple[int, ...] = LENGTHS) -> li
     """One dict per (target, dtype, head size, flags, length): the report's matrix."""
     rows = []
     for target in targets:
-        capability = TARGETS[target]
-        dtypes = ["float16", "float32"] if capability < (8, 0) else list(DTYPES)  # no bfloat16 before Ampere
+        dtypes = ["float16", "float32"] if capability_of(target) < (8, 0) else list(DTYPES)  # no bfloat16 before 8.0
         for dtype in dtypes:
             for head_size in (32, 64, 128):
-                for dropout in (False, True):
-                    for mask in (True, False):
-                        for length in lengths:
-                            flags = dict(mask=mask, dropout=dropout, p2p=False)
-                            rows.append(dict(target=target, dtype=dtype, head_size=head_size, flags=flags,
-                                             length=length))  # fmt: skip
+                rows += variants(target, dtype, head_size, lengths)
             if target in ("sm_80", "sm_90"):  # p2p (no released checkpoint uses it): one more term's code
                 for length in lengths:
                     flags = dict(mask=True, dropout=False, p2p=True)
                     rows.append(dict(target=target, dtype=dtype, head_size=64, flags=flags, length=length))
     return rows
+
+
+def variants(target: str, dtype: str, head_size: int, lengths: tuple[int, ...] = LENGTHS) -> list[dict]:
+    """The specialisations a kernel of this precision and head size gets from real calls without p2p: dropout or not
+    x padded or not x each length."""
+    return [
+        dict(target=target, dtype=dtype, head_size=head_size, flags=dict(mask=mask, dropout=dropout, p2p=False),
+             length=length)
+        for dropout in (False, True) for mask in (True, False) for length in lengths
+    ]  # fmt: skip
+
+
+def capability_of(target: str) -> tuple[int, int]:
+    """(8, 6) of "sm_86"."""
+    return TARGETS.get(target) or (int(target[3:-1]), int(target[-1]))
 
 
 @contextlib.contextmanager
@@ -217,10 +226,12 @@ def triton_version() -> str:
     return triton.__version__
 
 
-def measure(configuration: dict, kernels: tuple[str, ...] = KERNELS) -> list[dict]:
-    """The rows of one configuration: one per kernel. Its tiles are `configuration["tiles"]` where given (a
-    candidate), else the dispatcher's for that GPU and this Triton."""
-    capability = TARGETS[configuration["target"]]
+def measure(configuration: dict, kernels: tuple[str, ...] | None = None) -> list[dict]:
+    """The rows of one configuration: one per kernel (`kernels`, else `configuration["kernels"]`, else all three).
+    Its tiles are `configuration["tiles"]` where given (a candidate), else the dispatcher's for that GPU and this
+    Triton."""
+    kernels = kernels or tuple(configuration.get("kernels", KERNELS))
+    capability = capability_of(configuration["target"])
     dtype = DTYPES[configuration["dtype"]]
     version = triton_version()
     tiles = configuration.get("tiles", "table")
@@ -232,14 +243,14 @@ def measure(configuration: dict, kernels: tuple[str, ...] = KERNELS) -> list[dic
     for name in kernels:
         row = {
             "kernel": name,
-            **{key: value for key, value in configuration.items() if key != "tiles"},
+            **{key: value for key, value in configuration.items() if key not in ("tiles", "kernels")},
             "length": length,
             "triton": version,
             "tiles": list(tiles[name]) if tiles is not None else None,
             "registers": None,
             "stack": None,
             "shared": None,
-            "shared_limit": SHARED_MEMORY[capability],
+            "shared_limit": configuration.get("shared_limit") or SHARED_MEMORY[capability],
             "falls_back": tiles is None,
         }
         if tiles is not None:
@@ -340,6 +351,72 @@ def section(records: list[dict]) -> str:
     )
 
 
+def candidates(largest: tuple[int, int, int, int]) -> list[tuple[int, int, int, int]]:
+    """Tiles no larger than `largest` (BLOCK_M x BLOCK_N), largest first; of one size, `largest`'s shape and warps
+    first, then more pipeline stages."""
+    block_m, block_n, warps, stages = largest
+    tiles = [
+        (m, n, w, s)
+        for m in (128, 64, 32, 16) for n in (128, 64, 32, 16) for w in (8, 4) for s in (2, 1)
+        if m * n <= block_m * block_n and max(m, n) <= 4 * min(m, n) and (m, n, w, s) != largest
+    ]  # fmt: skip
+    return [largest] + sorted(tiles, key=lambda t: (-t[0] * t[1], (t[0], t[1]) != (block_m, block_n), t[2] != warps,
+                                                    -t[3]))  # fmt: skip
+
+
+def search(group: dict, kernel: str, start: tuple, pythons: list[str], processes: int) -> tuple | None:
+    """The largest tile (`candidates` of `start`) at which `kernel` fits in every specialisation of `group` (target,
+    precision's dtypes, head size: `variants`, and p2p where the report has it) under this Triton and each of
+    `pythons`'; None where none does down to 16 x 16. The other kernels keep `group["tiles"]`. A candidate is tried
+    first in the specialisation that spilled most in the report (`group["worst"]`), then in all."""
+    configs = [
+        config for config in configurations([group["target"]])
+        if config["dtype"] in group["dtypes"] and config["head_size"] == group["head_size"]
+    ]  # fmt: skip
+    worst = [config for config in configs if variant(config) == group["worst"]]
+    for tile in candidates(start):
+        for phase in (worst, configs):
+            tiles = {**group["tiles"], kernel: list(tile)}
+            jobs = [{**config, "tiles": tiles, "kernels": [kernel]} for config in phase]
+            rows = run(jobs, processes)
+            if all(fits(row) for row in rows):
+                for python in pythons:
+                    rows += run_elsewhere(python, jobs, processes)
+            if not all(fits(row) for row in rows):
+                print(f"  {group['target']} {'/'.join(group['dtypes'])} D={group['head_size']} {kernel}: "
+                      f"{'x'.join(map(str, tile))} misfits: {misfit_lines(rows)[0]}", flush=True)  # fmt: skip
+                break
+        else:
+            return tile
+    return None
+
+
+def search_misfits(rows: list[dict], pythons: list[str], processes: int) -> dict[tuple, tuple | None]:
+    """For each (target, precision, head size, kernel) with a misfit among `rows`: the tile `search` finds."""
+    found = {}
+    for row in rows:
+        if fits(row):
+            continue
+        precision = "float32" if row["dtype"] == "float32" else "half"
+        key = (row["target"], precision, row["head_size"], row["kernel"])
+        worst = found.get(key)
+        if worst is None or row["stack"] > worst["stack"]:
+            found[key] = row
+    proposals = {}
+    for (target, precision, head_size, kernel), worst in sorted(found.items()):
+        dtypes = ["float32"] if precision == "float32" else ["float16", "bfloat16"][: 1 if target == "sm_75" else 2]
+        tiles = tiles_for(TARGETS[target], DTYPES[dtypes[0]], head_size)
+        group = dict(target=target, dtypes=dtypes, head_size=head_size, tiles=tiles, worst=variant(worst))
+        proposals[(target, precision, head_size, kernel)] = search(group, kernel, tuple(worst["tiles"]), pythons,
+                                                                   processes)  # fmt: skip
+        print(
+            f"{target} {precision}/{head_size} {kernel}: {'x'.join(map(str, worst['tiles']))} -> "
+            f"{'x'.join(map(str, proposals[(target, precision, head_size, kernel)] or ['none']))}",
+            flush=True,
+        )
+    return proposals
+
+
 def run(configs: list[dict], processes: int) -> list[dict]:
     """The rows of `configs`, compiled here (this interpreter's Triton) in `processes` processes."""
     with ProcessPoolExecutor(max_workers=processes) as pool:
@@ -365,7 +442,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-record", action="store_true", help="do not append to benchmarks/records/")
     parser.add_argument("--python", action="append", default=[], help="also compile with this interpreter's Triton")
     parser.add_argument("--jobs", type=Path, help=argparse.SUPPRESS)  # a parent's configurations (run_elsewhere)
+    parser.add_argument(
+        "--search",
+        type=Path,
+        metavar="ROWS",
+        help="propose tiles where the rows of a --json file misfit: the largest that fit everywhere",
+    )
     args = parser.parse_args(argv)
+    if args.search:
+        rows = [json.loads(line) for line in args.search.read_text().splitlines()]
+        search_misfits([row for row in rows if row["target"] in args.targets], args.python, args.processes)
+        return 0
     configs = json.loads(args.jobs.read_text()) if args.jobs else configurations(args.targets)
     started = time.perf_counter()
     rows = run(configs, args.processes)

@@ -33,9 +33,9 @@ gradients of the tables are float32 buffers; torch autograd carries them on into
 `position_table` products the wrapper made, so the kernel's arguments are exactly the eager reference's tables.
 
 Registers. Offsets within a (batch, head) plane are int32 from that plane's base pointers, the column of a tile is
-gathered once for c2p and p2c, v is loaded after the scores: at the tiles of `TILES` no kernel spills, and each asks
-for no more shared memory than its GPU has, on every target `python -m benchmarks.kernel_resources` compiles for (it
-reads the same table, and CI checks part of it).
+gathered once for c2p and p2c, v is loaded after the scores: at the tiles of `triton_tiles.py` no kernel spills or asks
+for more shared memory than its GPU has, on every target, specialisation (`_kernel`) and Triton (3.8, 3.9) that
+`python -m benchmarks.kernel_resources` compiles for (it reads the same table, and CI checks part of it).
 
 Never materialised, forward or backward: any [L, L] tensor (scores, probabilities, bias, index, dS, dropout mask).
 What exists is O(L): the [B, H, L, W] tables and their gradients (as in the flex backend), the [2L - 1] column
@@ -56,7 +56,7 @@ Where it runs (`kernel_fallback_reason`, asked by `sdpa_disentangled` on each ca
 level when it falls back to its own blocked path): CUDA with compute capability 7.0 or more (8.0 for bfloat16; not
 ROCm), float16, bfloat16 or float32, head sizes 32, 64 and 128, self-attention with position terms (plain attention
 stays with torch's own fused kernels), no mask or a boolean key mask [B, 1, 1, L], where `tiles_for` has tiles for the
-GPU (a tuned profile in `triton_tiles.json`, else `TILES`). A pair mask [B, 1, L, L] (a 3-D attention_mask) falls back.
+GPU (a tuned profile, else `triton_tiles.TILES`). A pair mask [B, 1, L, L] (a 3-D attention_mask) falls back.
 Everything else is the kernel's: c2p, p2c and p2p in any combination, share_att_key or not (only Kr and Qr differ),
 clipped distances and log buckets (only `column` differs), packed sequences (the model calls once per sequence, each
 with its own cut column vector), dropout. A launch that fails all the same (an unlisted GPU: out of shared memory, a
