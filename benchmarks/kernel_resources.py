@@ -237,6 +237,8 @@ def measure(configuration: dict, kernels: tuple[str, ...] | None = None) -> list
     tiles = configuration.get("tiles", "table")
     if tiles == "table":
         tiles = tiles_for(capability, dtype, configuration["head_size"], triton_version=version)
+    elif tiles is not None:  # a candidate, perhaps from JSON: tuples, as the table's
+        tiles = {kernel: tuple(tile) for kernel, tile in tiles.items()}
     length = configuration.get("length", LENGTHS[0])
     made = call_launches(dtype, configuration["head_size"], configuration["flags"], tiles, length) if tiles else {}
     rows = []
