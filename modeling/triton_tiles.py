@@ -22,42 +22,47 @@ import torch
 # Tiles: (BLOCK_M query rows, BLOCK_N keys, num_warps, num_stages) of each kernel ("forward", and the backward's
 # "keys" and "queries" kernels), by compute capability, then by (precision, head size); precision is "half"
 # (float16 and bfloat16) or "float32". An entry None: that precision falls back to sdpa's path on that GPU (no tile
-# of a useful size fits its registers and shared memory). Chosen by `python -m benchmarks.kernel_resources`: the
-# largest tiles that compile without spilling (0 bytes of stack) and within the GPU's shared memory; a tuning run
-# on a GPU (`python -m benchmarks.tune_kernel`) writes faster ones to `triton_tiles.json`, which wins where it has
-# the GPU. The report reads this table too.
-_AMPERE = {  # sm_80 (and the start of sm_86 / sm_89's, whose ptxas allocates registers differently)
+# of a useful size fits its registers and shared memory). Each is the largest tile (BLOCK_M x BLOCK_N; of one size,
+# the former shape and warps first, then more stages) that compiles without spilling (0 bytes of stack) and within
+# the GPU's shared memory in every specialisation a real call gets (dropout or not, padded or not, a length a
+# multiple of 16 or not) under Triton 3.8 and 3.9, both dtypes of "half": found by `python -m
+# benchmarks.kernel_resources --search`, checked by the report, which reads this table. One table serves both
+# Tritons (none of their largest fitting tiles had to differ). A tuning run on a GPU (`python -m
+# benchmarks.tune_kernel`) writes faster ones to `triton_tiles.json`, which wins where it has the GPU and its Triton.
+_AMPERE = {  # sm_80: 163 KB of shared memory
     ("half", 32): {"forward": (64, 64, 8, 2), "keys": (64, 32, 8, 2), "queries": (128, 32, 8, 2)},
     ("half", 64): {"forward": (64, 64, 8, 2), "keys": (64, 32, 8, 1), "queries": (64, 32, 8, 2)},
-    ("half", 128): {"forward": (64, 64, 8, 2), "keys": (64, 32, 8, 1), "queries": (64, 64, 8, 2)},
-    ("float32", 32): {"forward": (32, 32, 4, 2), "keys": (32, 32, 8, 1), "queries": (64, 32, 8, 2)},
-    ("float32", 64): {"forward": (32, 32, 4, 2), "keys": (32, 32, 8, 1), "queries": (64, 32, 8, 2)},
+    ("half", 128): {"forward": (64, 64, 8, 2), "keys": (16, 64, 8, 2), "queries": (32, 128, 8, 2)},
+    ("float32", 32): {"forward": (32, 32, 4, 2), "keys": (64, 16, 8, 1), "queries": (64, 32, 8, 2)},
+    ("float32", 64): {"forward": (32, 32, 4, 2), "keys": (64, 16, 8, 1), "queries": (64, 32, 8, 2)},
     ("float32", 128): None,  # the keys kernel spills down to 16 x 16 (no released DeBERTa has head size 128)
 }
-_SM86 = {  # sm_86, sm_89: 99 KB of shared memory; where sm_80's tiles spill there, the next ones that do not
-    **_AMPERE,
-    ("half", 32): {"forward": (64, 64, 8, 2), "keys": (64, 32, 8, 1), "queries": (128, 32, 8, 2)},
-    ("half", 128): {"forward": (64, 32, 8, 2), "keys": (64, 32, 8, 1), "queries": (64, 32, 8, 2)},
-    ("float32", 64): {"forward": (32, 32, 4, 1), "keys": (32, 32, 8, 1), "queries": (32, 32, 8, 1)},
+_SM86 = {  # sm_86, sm_89: 99 KB of shared memory, and a ptxas that spills at some of sm_80's tiles
+    ("half", 32): {"forward": (128, 32, 8, 2), "keys": (64, 32, 8, 1), "queries": (128, 32, 8, 2)},
+    ("half", 64): {"forward": (64, 64, 8, 1), "keys": (32, 32, 8, 2), "queries": (64, 32, 8, 1)},
+    ("half", 128): {"forward": (64, 32, 8, 1), "keys": (64, 32, 8, 1), "queries": (64, 32, 8, 1)},
+    ("float32", 32): {"forward": (32, 32, 4, 2), "keys": (32, 32, 8, 1), "queries": (64, 32, 8, 2)},
+    ("float32", 64): {"forward": (32, 32, 8, 2), "keys": (32, 16, 8, 1), "queries": (64, 16, 8, 2)},
+    ("float32", 128): None,
 }
 TILES: dict[tuple[int, int], dict[tuple[str, int], dict[str, tuple[int, int, int, int]] | None]] = {
     (7, 5): {  # Turing (T4): float16 and float32; 64 KB of shared memory
         ("half", 32): {"forward": (128, 32, 8, 2), "keys": (64, 32, 8, 2), "queries": (64, 32, 8, 2)},
         ("half", 64): {"forward": (32, 32, 4, 2), "keys": (32, 32, 8, 1), "queries": (16, 32, 4, 1)},
         ("half", 128): {"forward": (16, 32, 4, 1), "keys": (32, 16, 8, 1), "queries": (16, 16, 8, 1)},
-        ("float32", 32): {"forward": (64, 64, 8, 2), "keys": (32, 32, 8, 1), "queries": (64, 64, 8, 2)},
+        ("float32", 32): {"forward": (64, 64, 8, 2), "keys": (64, 16, 8, 2), "queries": (64, 64, 8, 2)},
         ("float32", 64): {"forward": (32, 32, 4, 2), "keys": (32, 32, 8, 1), "queries": (64, 32, 8, 2)},
         ("float32", 128): None,
     },
     (8, 0): _AMPERE,  # A100, A800, A30
     (8, 6): _SM86,  # A10, A40, RTX 30
     (8, 9): _SM86,  # L4, L40S, RTX 40
-    (9, 0): {  # H100, H200, H20
-        ("half", 32): {"forward": (64, 64, 8, 2), "keys": (32, 64, 8, 2), "queries": (128, 32, 8, 2)},
-        ("half", 64): {"forward": (64, 64, 8, 2), "keys": (32, 64, 8, 2), "queries": (128, 32, 8, 2)},
-        ("half", 128): {"forward": (64, 64, 8, 2), "keys": (32, 16, 4, 1), "queries": (128, 32, 8, 2)},
-        ("float32", 32): {"forward": (64, 64, 8, 2), "keys": (32, 32, 8, 1), "queries": (64, 32, 8, 2)},
-        ("float32", 64): {"forward": (32, 32, 4, 1), "keys": (32, 32, 8, 1), "queries": (64, 32, 8, 2)},
+    (9, 0): {  # H100, H200, H20: 227 KB of shared memory
+        ("half", 32): {"forward": (128, 32, 8, 2), "keys": (32, 64, 8, 2), "queries": (128, 32, 8, 2)},
+        ("half", 64): {"forward": (64, 64, 8, 2), "keys": (32, 64, 8, 2), "queries": (64, 32, 8, 2)},
+        ("half", 128): {"forward": (128, 32, 8, 2), "keys": (16, 32, 4, 2), "queries": (32, 64, 8, 2)},
+        ("float32", 32): {"forward": (64, 64, 8, 2), "keys": (32, 16, 8, 2), "queries": (64, 32, 8, 2)},
+        ("float32", 64): {"forward": (32, 32, 4, 1), "keys": (16, 16, 8, 1), "queries": (32, 64, 8, 2)},
         ("float32", 128): None,
     },
 }

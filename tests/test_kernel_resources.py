@@ -161,6 +161,32 @@ def test_real_calls_make_exactly_the_reports_compiles():
                     assert kernel_resources.compile_key(with_seed(launch, seed)) == expected[kernel]
 
 
+def test_the_old_reports_one_specialisation_hid_spills():
+    """The report once compiled one specialisation of each kernel: a seed of 1, which Triton's own specialisation
+    makes a constant, and a length that is a multiple of 16. Both hid spills at the tiles sm_86 had then for
+    bfloat16, under Triton 3.8 and 3.9 alike: the by-keys kernel at head size 64 (64 x 32, 8 warps) compiles without
+    a spill for a seed of 1 and with 8 bytes of stack for a training call's seed; the forward at head size 32 (64 x
+    64, 8 warps) without a spill at 512 tokens and with 16 bytes at 509. The report now compiles what a training call
+    compiles (our kernels compile a seed of 1 as any other), and both lengths."""
+    before = {"forward": (64, 64, 8, 2), "keys": (64, 32, 8, 1), "queries": (64, 32, 8, 2)}
+    flags = dict(mask=True, dropout=True, p2p=False)
+
+    def stack(launch) -> int:
+        return kernel_resources.resource_usage(kernel_resources.compile_launch(launch, (8, 6)).asm["cubin"])["stack"]
+
+    keys = kernel_resources.call_launches(torch.bfloat16, 64, flags, before)["keys"]
+    as_triton_would = keys._replace(kernel=triton.jit(keys.kernel.fn))  # Triton's own specialisation of the seed
+    assert stack(with_seed(as_triton_would, 1)) == 0
+    assert stack(with_seed(as_triton_would, 123_457)) > 0
+    assert kernel_resources.compile_key(with_seed(keys, 1)) == kernel_resources.compile_key(keys)
+    assert stack(keys) > 0
+    forward = {
+        length: kernel_resources.call_launches(torch.bfloat16, 32, flags, before, length)["forward"]
+        for length in kernel_resources.LENGTHS
+    }
+    assert stack(forward[512]) == 0 and stack(forward[509]) > 0
+
+
 def with_seed(launch, seed: int):
     """`launch` with another dropout seed."""
     names = [param.name for param in launch.kernel.params]
@@ -235,7 +261,9 @@ def test_tuner_keeps_the_fastest_tile_that_fits_everywhere_within_its_budget(tmp
     for key in ("half/64", "half/128"):
         default = triton_tiles.tiles_for((9, 0), torch.bfloat16, int(key.split("/")[1]))
         for kernel in kernel_resources.KERNELS:
-            usable = [t for t in [default[kernel], *tune_kernel.CANDIDATES[kernel]] if t[:2] not in ((64, 32), (64, 64))]
+            usable = [
+                t for t in [default[kernel], *tune_kernel.CANDIDATES[kernel]] if t[:2] not in ((64, 32), (64, 64))
+            ]
             best = min(usable, key=lambda t: fake_time(kernel, t, (), 0, None))
             assert tuple(tuned["tiles"][key][kernel]) == best, (key, kernel)
 
@@ -247,7 +275,9 @@ def test_tuner_keeps_the_fastest_tile_that_fits_everywhere_within_its_budget(tmp
     path = tmp_path / "triton_tiles.json"
     other = {"gpu": "Other GPU", "capability": [8, 0], "triton": "3.9.0", "tiles": {"half/64": {"forward": [16] * 4}}}
     older = {"gpu": "Made-up GPU", "capability": [9, 0], "triton": "3.8.0", "tiles": {}}
-    tune_kernel.write(path, [other, older, {"gpu": "Made-up GPU", "capability": [9, 0], "triton": "3.9.1", "tiles": {}}])
+    tune_kernel.write(
+        path, [other, older, {"gpu": "Made-up GPU", "capability": [9, 0], "triton": "3.9.1", "tiles": {}}]
+    )
     profile = {"gpu": "Made-up GPU", "capability": [9, 0], "triton": "3.9.0", **tuned}
     tune_kernel.write(path, tune_kernel.merge(path, profile))
     profiles = triton_tiles.load_profiles(path)
