@@ -1,24 +1,36 @@
-"""What the compiler makes of the Triton kernels, on a CPU: registers, spills and shared memory per GPU.
+"""What the compiler makes of the Triton kernels, on a CPU: registers, spills and shared memory per GPU, in every
+specialisation a real call gets, under each Triton a supported torch pins.
 
-Every kernel of `modeling/triton_attention.py` is compiled ahead of time (`triton.compile` with a `GPUTarget`, the
-ptxas inside triton's wheel) for each target GPU at the tiles the dispatcher picks there (`triton_attention.tiles_for`,
-which reads `TILES`), over dtype x head size x dropout, with a key mask and c2p + p2c; on sm_80 and sm_90 at head
-size 64 also without a mask and with p2p. The arguments are built the way the autograd function builds them
-(`forward_launch`, `backward_launches`), on CPU tensors of the benchmark's shape, so the compiler specialises them as
-on a GPU. Per compile: registers and STACK bytes per thread (spilled registers live there) from the wheel's
-`cuobjdump -res-usage`, and the shared memory the launch asks for (the compiled metadata) against what the GPU
-gives one block.
+Triton compiles one kernel per specialisation of its arguments: an integer equal to 1 becomes a constant, and an
+integer or pointer divisible by 16 carries that fact into the compiler, which changes vectorisation, pipelining and
+so registers. A kernel that fits in one specialisation can spill in another. So every launch here is made the way a
+training step makes it (`call_launches`): one layer of DeBERTa-v3's shape (log buckets 256, reach 512) is built on
+the meta device, its own code projects q, k, v and the position tables, the model's mask code turns a padded batch
+into the key mask (an unpadded one into none), `triton_disentangled` draws the dropout seed as in training and the
+autograd function builds the forward's launch, and a backward through the layer's output builds the backward's two;
+the launches are captured instead of run. Each is compiled ahead of time (`triton.compile` with a `GPUTarget`, the
+ptxas inside triton's wheel) for each target GPU at the tiles the dispatcher picks there (`triton_tiles.tiles_for`).
+
+The matrix: sm_75 (float16, float32), sm_80, sm_86, sm_89, sm_90 (float16, bfloat16, float32) x head size 32, 64,
+128 x dropout or not x padded (key mask) or not x a length that is a multiple of 16 and one that is not (`LENGTHS`:
+the length, the key mask's batch stride and the tables' strides follow it); on sm_80 and sm_90 at head size 64 also
+p2p. Per compile: registers and STACK bytes per thread (spilled registers live there) from the wheel's `cuobjdump
+-res-usage`, and the shared memory the launch asks for (the compiled metadata) against what the GPU gives one block.
 
     python -m benchmarks.kernel_resources [--json FILE] [--targets sm_80 sm_90] [--processes N] [--no-record]
+                                          [--python OTHER_PYTHON ...]
 
 prints the table, writes the rows as JSON lines to --json, and appends a record to
-`benchmarks/records/kernel_resources.jsonl` (the performance page's table comes from it). Compiles run in parallel
-processes; Triton caches what it compiled, so a second run takes seconds.
+`benchmarks/records/kernel_resources.jsonl` (the performance page's table comes from it). `--python` runs the same
+matrix again in another interpreter, with the Triton installed there (torch 2.14 pins Triton 3.8, torch 2.13 Triton
+3.9); each row names its Triton. Compiles run in parallel processes; Triton caches what it compiled, so a second
+run takes a fraction of the first.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -32,7 +44,7 @@ from pathlib import Path
 import torch
 
 from disentangled.modeling import triton_attention
-from disentangled.modeling.triton_attention import SHARED_MEMORY, TILES, tiles_for
+from disentangled.modeling.triton_tiles import SHARED_MEMORY, TILES, tiles_for
 
 from .records import append_record
 
@@ -40,77 +52,152 @@ TARGETS = {"sm_75": (7, 5), "sm_80": (8, 0), "sm_86": (8, 6), "sm_89": (8, 9), "
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 KERNELS = ("forward", "keys", "queries")
 KERNEL_NAMES = {"forward": "_forward_kernel", "keys": "_backward_keys_kernel", "queries": "_backward_queries_kernel"}
-SHAPE = dict(batch=2, heads=12, length=512)  # DeBERTa-v3-base's heads, at 512 tokens
+SHAPE = dict(batch=2, heads=12)  # DeBERTa-v3-base's heads
+# A length that is a multiple of 16 and one that is not: Triton compiles the two apart (the length, the key mask's
+# batch stride, the tables' strides), and users run both (a tokenizer pads to the longest text, or to a multiple of 8)
+LENGTHS = (512, 509)
 
 
-def configurations(targets: list[str]) -> list[dict]:
-    """One dict per (target, dtype, head size, flags): the report's matrix."""
+def configurations(targets: list[str], lengths: tuple[int, ...] = LENGTHS) -> list[dict]:
+    """One dict per (target, dtype, head size, flags, length): the report's matrix."""
     rows = []
     for target in targets:
-        capability = TARGETS[target]
-        dtypes = ["float16", "float32"] if capability < (8, 0) else list(DTYPES)  # no bfloat16 before Ampere
+        dtypes = ["float16", "float32"] if capability_of(target) < (8, 0) else list(DTYPES)  # no bfloat16 before 8.0
         for dtype in dtypes:
             for head_size in (32, 64, 128):
-                for dropout in (False, True):
-                    rows.append(dict(target=target, dtype=dtype, head_size=head_size,
-                                     flags=dict(mask=True, dropout=dropout, p2p=False)))  # fmt: skip
-            if target in ("sm_80", "sm_90"):
-                rows.append(
-                    dict(target=target, dtype=dtype, head_size=64, flags=dict(mask=False, dropout=False, p2p=False))
-                )
-                rows.append(
-                    dict(target=target, dtype=dtype, head_size=64, flags=dict(mask=True, dropout=False, p2p=True))
-                )
+                rows += variants(target, dtype, head_size, lengths)
+            if target in ("sm_80", "sm_90"):  # p2p (no released checkpoint uses it): one more term's code
+                for length in lengths:
+                    flags = dict(mask=True, dropout=False, p2p=True)
+                    rows.append(dict(target=target, dtype=dtype, head_size=64, flags=flags, length=length))
     return rows
 
 
-def launches(dtype: torch.dtype, head_size: int, flags: dict, tiles: dict, shape: dict = SHAPE, device="cpu") -> dict:
-    """The three kernels' launches for a call of `shape`: on CPU tensors to compile (never run), or filled on a GPU
-    to time (`benchmarks.tune_kernel`), with DeBERTa-v3's log buckets (256 per side, reach 512)."""
-    from disentangled.modeling.disentangled_attention import RelativePositions
+def variants(target: str, dtype: str, head_size: int, lengths: tuple[int, ...] = LENGTHS) -> list[dict]:
+    """The specialisations a kernel of this precision and head size gets from real calls without p2p: dropout or not
+    x padded or not x each length."""
+    return [
+        dict(target=target, dtype=dtype, head_size=head_size, flags=dict(mask=mask, dropout=dropout, p2p=False),
+             length=length)
+        for dropout in (False, True) for mask in (True, False) for length in lengths
+    ]  # fmt: skip
 
-    batch, heads, length = shape["batch"], shape["heads"], shape["length"]
-    positions = RelativePositions.build(length, 256, 256, 512, device)
-    width = positions.width  # the reachable relative rows: 511 at 512 tokens
 
-    def tensor(*size, dtype=dtype):
-        return torch.randn(*size, dtype=dtype, device=device) if device != "cpu" else torch.empty(*size, dtype=dtype)
+def capability_of(target: str) -> tuple[int, int]:
+    """(8, 6) of "sm_86"."""
+    return TARGETS.get(target) or (int(target[3:-1]), int(target[-1]))
 
-    query, key, value = (tensor(batch, length, heads, head_size).transpose(1, 2) for _ in range(3))
-    c2p, p2c = (tensor(batch, heads, length, width) for _ in range(2))
-    p2p = tensor(heads, 2 * length - 1) if flags["p2p"] else None
-    column, runs = positions.int32_column, positions.column_runs
-    keep = torch.ones(batch, length, dtype=torch.bool, device=device) if flags["mask"] else None
-    inputs = (query, key, value, c2p, p2c, p2p, column, runs, keep)
-    dropout, seed, scaling = (0.1 if flags["dropout"] else 0.0), 1, head_size**-0.5 / 3**0.5
-    context = tensor(batch, length, heads, head_size)
-    row_max, log_sum, delta = (tensor(batch, heads, length, dtype=torch.float32) for _ in range(3))
-    grads = (
-        torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
-        torch.zeros_like(c2p, dtype=torch.float32), torch.zeros_like(p2c, dtype=torch.float32),
-        torch.zeros_like(p2p, dtype=torch.float32) if p2p is not None else None,
+
+@contextlib.contextmanager
+def _captured_launches(run_forward: bool):
+    """Within it, the kernels' launches are recorded instead of run (and the backward's pre-launch check skipped);
+    with `run_forward` the forward also runs, so that a backward timed afterwards reads real row statistics."""
+    launch_class = triton_attention.Launch
+    call, prepare, captured = launch_class.__call__, launch_class.prepare, []
+
+    def record(launch):
+        captured.append(launch)
+        if run_forward and launch.kernel is triton_attention._forward_kernel:
+            return call(launch)
+        return None
+
+    launch_class.__call__, launch_class.prepare = record, lambda launch: None
+    try:
+        yield captured
+    finally:
+        launch_class.__call__, launch_class.prepare = call, prepare
+
+
+def call_launches(
+    dtype: torch.dtype,
+    head_size: int,
+    flags: dict,
+    tiles: dict,
+    length: int = LENGTHS[0],
+    shape: dict = SHAPE,
+    device="meta",
+) -> dict:
+    """The three kernels' launches of one training step through a layer of DeBERTa-v3's shape (see the module
+    docstring): on the meta device to compile (nothing runs), or on a GPU to time (`benchmarks.tune_kernel`; the
+    forward then runs once). flags: mask (a padded batch: its last sequence ends at 3/4 of `length`; else every
+    token real, and the model passes no mask), dropout (0.1, a seed drawn as in training), p2p."""
+    from disentangled.configuration.configuration_disentangled import DisentangledConfig
+    from disentangled.integrations.sharding import V3_SHAPE
+    from disentangled.modeling.modeling_disentangled import DisentangledEncoder, DisentangledModel
+
+    batch, heads = shape["batch"], shape["heads"]
+    hidden_size = heads * head_size
+    config = DisentangledConfig(
+        **{**V3_SHAPE, "pos_att_type": "p2c|c2p|p2p" if flags["p2p"] else "p2c|c2p"},
+        hidden_size=hidden_size, num_attention_heads=heads, intermediate_size=4 * hidden_size, num_hidden_layers=1,
+        attention_probs_dropout_prob=0.1 if flags["dropout"] else 0.0, hidden_dropout_prob=0.0,
     )  # fmt: skip
-    forward = triton_attention.forward_launch(inputs, (context, row_max, log_sum), scaling, dropout, seed, tiles)
-    keys, queries = triton_attention.backward_launches(
-        inputs, (context, row_max, log_sum, delta), grads, scaling, dropout, seed, tiles
-    )
-    return {"forward": forward, "keys": keys, "queries": queries}
+    with torch.device(device):
+        encoder = DisentangledEncoder(config).to(dtype).train()
+        hidden = torch.randn(batch, length, hidden_size, dtype=dtype, requires_grad=True)
+    tokens = torch.ones(batch, length, dtype=torch.long)
+    if flags["mask"]:
+        tokens[-1, 3 * length // 4 :] = 0
+    _, key_mask = DisentangledModel._masks(tokens, tokens.shape)  # [B, 1, 1, L] bool, or None; read on the CPU
+    key_mask = key_mask.to(device) if key_mask is not None else None  # (same strides: a meta tensor has no values)
+    positions = encoder.get_rel_index(length, device)
+    rel_embeddings = encoder.get_rel_embedding(positions.rows)
+    attention = encoder.layer[0].attention
+    query, key, value = attention.self.project(hidden, None)  # [B, H, L, D]
+    scores = attention.self.position_scores(query, key, rel_embeddings, positions)
+    with _captured_launches(run_forward=device != "meta") as captured:
+        context, _ = triton_attention.triton_disentangled(
+            attention.self, query, key, value, key_mask, attention.self.scaling, attention.self.dropout_p, scores,
+            blocks=tiles,
+        )  # fmt: skip
+        attention.output(context.flatten(-2), hidden).sum().backward()  # dO as the layer's own backward makes it
+    if [launch.kernel.__name__ for launch in captured] != [KERNEL_NAMES[name] for name in KERNELS]:
+        raise RuntimeError(f"expected the forward and the backward's two launches, captured {captured}")
+    return dict(zip(KERNELS, captured))
 
 
-def compile_launch(launch, capability: tuple[int, int]):
-    """`launch`'s kernel compiled for `capability` as the JIT would specialise these arguments, without a GPU."""
+def _binding(launch, capability: tuple[int, int]):
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.compiler import compile as triton_compile
+    from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
     backend = make_backend(target)
+    binder = create_function_from_signature(launch.kernel.signature, launch.kernel.params, backend)
+    return target, backend, binder(*launch.args, **launch.options)
+
+
+def specialisation(launch, capability: tuple[int, int] = (9, 0)) -> dict[str, tuple]:
+    """How the JIT specialises `launch`'s arguments (Triton's own binder): name -> (type, "D" where divisible by 16,
+    "" where not, None where not specialised), ("constexpr", value) for an integer equal to 1 or a constexpr."""
+    _, _, (_, specialization, _) = _binding(launch, capability)
+    names = [param.name for param in launch.kernel.params]
+    return {name: tuple(value) for name, value in zip(names, specialization)}
+
+
+def _source(launch, capability: tuple[int, int]):
+    """What the compiler is handed for `launch` on `capability`: the target, the kernel specialised, the options."""
+    from triton.compiler import ASTSource
+
+    target, backend, (bound, specialization, options) = _binding(launch, capability)
     kernel = launch.kernel
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, options = binder(*launch.args, **launch.options)
     options, signature, constexprs, attrs = kernel._pack_args(backend, launch.options, bound, specialization, options)
-    return triton_compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+    attrs = {path: attr for path, attr in attrs.items() if attr}  # an integer with no fact (1 annotated int32) has []
+    return target, ASTSource(kernel, signature, constexprs, attrs), options
+
+
+def compile_key(launch, capability: tuple[int, int] = (9, 0)) -> str:
+    """Equal for two launches exactly where the compiler makes the same kernel of them (Triton's own cache key)."""
+    _, source, options = _source(launch, capability)
+    return source.hash() + options.hash()
+
+
+def compile_launch(launch, capability: tuple[int, int]):
+    """`launch`'s kernel compiled for `capability` as the JIT would specialise these arguments, without a GPU."""
+    from triton.compiler import compile as triton_compile
+
+    target, source, options = _source(launch, capability)
+    return triton_compile(source, target=target, options=options.__dict__)
 
 
 def cuobjdump() -> Path:
@@ -133,27 +220,43 @@ def resource_usage(cubin: bytes) -> dict:
     return {"registers": int(usage.group(1)), "stack": int(usage.group(2))}
 
 
-def measure(configuration: dict) -> list[dict]:
-    """The rows of one configuration: one per kernel."""
-    capability = TARGETS[configuration["target"]]
+def triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def measure(configuration: dict, kernels: tuple[str, ...] | None = None) -> list[dict]:
+    """The rows of one configuration: one per kernel (`kernels`, else `configuration["kernels"]`, else all three).
+    Its tiles are `configuration["tiles"]` where given (a candidate), else the dispatcher's for that GPU and this
+    Triton."""
+    kernels = kernels or tuple(configuration.get("kernels", KERNELS))
+    capability = capability_of(configuration["target"])
     dtype = DTYPES[configuration["dtype"]]
-    tiles = tiles_for(capability, dtype, configuration["head_size"])
+    version = triton_version()
+    tiles = configuration.get("tiles", "table")
+    if tiles == "table":
+        tiles = tiles_for(capability, dtype, configuration["head_size"], triton_version=version)
+    elif tiles is not None:  # a candidate, perhaps from JSON: tuples, as the table's
+        tiles = {kernel: tuple(tile) for kernel, tile in tiles.items()}
+    length = configuration.get("length", LENGTHS[0])
+    made = call_launches(dtype, configuration["head_size"], configuration["flags"], tiles, length) if tiles else {}
     rows = []
-    for name in KERNELS:
+    for name in kernels:
         row = {
             "kernel": name,
-            **configuration,
+            **{key: value for key, value in configuration.items() if key not in ("tiles", "kernels")},
+            "length": length,
+            "triton": version,
             "tiles": list(tiles[name]) if tiles is not None else None,
             "registers": None,
             "stack": None,
             "shared": None,
-            "shared_limit": SHARED_MEMORY[capability],
+            "shared_limit": configuration.get("shared_limit") or SHARED_MEMORY[capability],
             "falls_back": tiles is None,
         }
         if tiles is not None:
-            compiled = compile_launch(
-                launches(dtype, configuration["head_size"], configuration["flags"], tiles)[name], capability
-            )
+            compiled = compile_launch(made[name], capability)
             row.update(resource_usage(compiled.asm["cubin"]), shared=compiled.metadata.shared)
         rows.append(row)
     return rows
@@ -164,36 +267,68 @@ def fits(row: dict) -> bool:
     return row["falls_back"] or (row["stack"] == 0 and row["shared"] <= row["shared_limit"])
 
 
+def variant(row: dict) -> str:
+    """A row's flags and length in words: "mask+dropout, 509"."""
+    flags = row["flags"]
+    named = "+".join(name for name in ("mask", "dropout", "p2p") if flags[name]) or "no mask"
+    return f"{named}, {row.get('length', 512)}"
+
+
 def table(rows: list[dict]) -> list[str]:
-    """Markdown lines: one row per (target, dtype, head size, flags), the three kernels side by side."""
+    """Markdown lines: one row per (Triton, target, dtype, head size), the three kernels side by side, each figure
+    the largest over that group's specialisations (flags x length), which the `compiles` column counts."""
     lines = [
-        "| GPU | dtype | D | flags | tiles fwd / keys / queries | registers | stack (bytes) | shared (KB) / limit |",
-        "|---|---|---|---|---|---|---|---|",
+        "| Triton | GPU | dtype | D | tiles fwd / keys / queries | compiles | registers (max) | stack (bytes, max) |"
+        " shared (KB, max) / limit |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        key = (row["target"], row["dtype"], row["head_size"], json.dumps(row["flags"], sort_keys=True))
-        groups.setdefault(key, []).append(row)
-    for (target, dtype, head_size, _), group in groups.items():
-        flags = group[0]["flags"]
-        named = "+".join(name for name in ("mask", "dropout", "p2p") if flags[name]) or "none"
-        if group[0]["falls_back"]:
-            lines.append(f"| {target} | {dtype} | {head_size} | {named} | falls back to sdpa's path | | | |")
+        groups.setdefault((row.get("triton", "?"), row["target"], row["dtype"], row["head_size"]), []).append(row)
+    for (version, target, dtype, head_size), group in groups.items():
+        if all(row["falls_back"] for row in group):
+            lines.append(f"| {version} | {target} | {dtype} | {head_size} | falls back to sdpa's path | | | | |")
             continue
-        by_kernel = {row["kernel"]: row for row in group}  # all three, or those a caller picked (misfits)
+        group = [row for row in group if not row["falls_back"]]
+        by_kernel = {name: [row for row in group if row["kernel"] == name] for name in KERNELS}
 
-        def column(value, by_kernel=by_kernel) -> str:
-            return " / ".join(value(by_kernel[k]) if k in by_kernel else "-" for k in KERNELS)
+        def column(value, by_kernel=by_kernel) -> str:  # "-" for a kernel this group lacks (a test's misfits)
+            return " / ".join(value(by_kernel[k]) if by_kernel[k] else "-" for k in KERNELS)
 
-        tiles = column(lambda row: "x".join(str(n) for n in row["tiles"]))
-        registers = column(lambda row: str(row["registers"]))
-        stack = column(lambda row: str(row["stack"]))
-        shared = column(lambda row: f"{row['shared'] / 1024:.0f}")
+        tiles = column(lambda rows: " or ".join(sorted({"x".join(str(n) for n in row["tiles"]) for row in rows})))
+        registers = column(lambda rows: str(max(row["registers"] for row in rows)))
+        stack = column(lambda rows: str(max(row["stack"] for row in rows)))
+        shared = column(lambda rows: f"{max(row['shared'] for row in rows) / 1024:.0f}")
         limit = group[0]["shared_limit"] / 1024
         lines.append(
-            f"| {target} | {dtype} | {head_size} | {named} | {tiles} | {registers} | {stack} | {shared} / {limit:.0f} |"
+            f"| {version} | {target} | {dtype} | {head_size} | {tiles} | {len(group)} | {registers} | {stack} | "
+            f"{shared} / {limit:.0f} |"
         )
     return lines
+
+
+def misfit_lines(rows: list[dict]) -> list[str]:
+    """One line per compile that spills or asks for too much shared memory."""
+    return [
+        f"Triton {row.get('triton', '?')} {row['target']} {row['dtype']} D={row['head_size']} {row['kernel']} "
+        f"({variant(row)}) at {'x'.join(map(str, row['tiles']))}: stack {row['stack']} B, "
+        f"shared {row['shared'] / 1024:.0f} of {row['shared_limit'] / 1024:.0f} KB"
+        for row in rows
+        if not fits(row)
+    ]
+
+
+def counts(rows: list[dict]) -> dict[str, dict[str, int]]:
+    """Per Triton and target: compiles, spills, shared-memory overruns (the before/after figures)."""
+    found: dict[str, dict[str, int]] = {}
+    for row in rows:
+        if row["falls_back"]:
+            continue
+        entry = found.setdefault(f"{row.get('triton', '?')} {row['target']}", dict(compiles=0, spill=0, shared=0))
+        entry["compiles"] += 1
+        entry["spill"] += row["stack"] > 0
+        entry["shared"] += row["shared"] > row["shared_limit"]
+    return found
 
 
 def section(records: list[dict]) -> str:
@@ -204,20 +339,101 @@ def section(records: list[dict]) -> str:
     figures = record["figures"]
     rows = figures["rows"]
     misfits = sum(not fits(row) for row in rows)
+    versions = sorted({row.get("triton", figures["triton"]) for row in rows})
     return "\n".join(
         [
-            f"Triton {figures['triton']}, torch {record['torch']}, commit {record['commit']}, {record['time'][:10]}; "
-            f"{len(rows)} compiles, {misfits} that spill or exceed shared memory. Command: `{record['command']}`",
+            f"Triton {' and '.join(versions)}, torch {record['torch']}, commit {record['commit']}, "
+            f"{record['time'][:10]}; {len(rows)} compiles (lengths {', '.join(map(str, figures.get('lengths', [512])))}"
+            f", padded and not, with and without dropout), {misfits} that spill or exceed shared memory. "
+            f"Command: `{record['command']}`",
             "",
             *table(rows),
+            *(["", *misfit_lines(rows)] if misfits else []),
         ]
     )
 
 
-def run(targets: list[str], processes: int) -> list[dict]:
-    configs = configurations(targets)
+def candidates(largest: tuple[int, int, int, int]) -> list[tuple[int, int, int, int]]:
+    """Tiles no larger than `largest` (BLOCK_M x BLOCK_N), largest first; of one size, `largest`'s shape and warps
+    first, then more pipeline stages."""
+    block_m, block_n, warps, stages = largest
+    tiles = [
+        (m, n, w, s)
+        for m in (128, 64, 32, 16) for n in (128, 64, 32, 16) for w in (8, 4) for s in (2, 1)
+        if m * n <= block_m * block_n and max(m, n) <= 4 * min(m, n) and (m, n, w, s) != largest
+    ]  # fmt: skip
+    return [largest] + sorted(tiles, key=lambda t: (-t[0] * t[1], (t[0], t[1]) != (block_m, block_n), t[2] != warps,
+                                                    -t[3]))  # fmt: skip
+
+
+def search(group: dict, kernel: str, start: tuple, pythons: list[str], processes: int) -> tuple | None:
+    """The largest tile (`candidates` of `start`) at which `kernel` fits in every specialisation of `group` (target,
+    precision's dtypes, head size: `variants`, and p2p where the report has it) under this Triton and each of
+    `pythons`'; None where none does down to 16 x 16. The other kernels keep `group["tiles"]`. A candidate is tried
+    first in the specialisation that spilled most in the report (`group["worst"]`), then in all."""
+    configs = [
+        config for config in configurations([group["target"]])
+        if config["dtype"] in group["dtypes"] and config["head_size"] == group["head_size"]
+    ]  # fmt: skip
+    worst = [config for config in configs if variant(config) == group["worst"]]
+    for tile in candidates(start):
+        for phase in (worst, configs):
+            tiles = {**group["tiles"], kernel: list(tile)}
+            jobs = [{**config, "tiles": tiles, "kernels": [kernel]} for config in phase]
+            rows = run(jobs, processes)
+            if all(fits(row) for row in rows):
+                for python in pythons:
+                    rows += run_elsewhere(python, jobs, processes)
+            if not all(fits(row) for row in rows):
+                print(f"  {group['target']} {'/'.join(group['dtypes'])} D={group['head_size']} {kernel}: "
+                      f"{'x'.join(map(str, tile))} misfits: {misfit_lines(rows)[0]}", flush=True)  # fmt: skip
+                break
+        else:
+            return tile
+    return None
+
+
+def search_misfits(rows: list[dict], pythons: list[str], processes: int) -> dict[tuple, tuple | None]:
+    """For each (target, precision, head size, kernel) with a misfit among `rows`: the tile `search` finds."""
+    found = {}
+    for row in rows:
+        if fits(row):
+            continue
+        precision = "float32" if row["dtype"] == "float32" else "half"
+        key = (row["target"], precision, row["head_size"], row["kernel"])
+        worst = found.get(key)
+        if worst is None or row["stack"] > worst["stack"]:
+            found[key] = row
+    proposals = {}
+    for (target, precision, head_size, kernel), worst in sorted(found.items()):
+        dtypes = ["float32"] if precision == "float32" else ["float16", "bfloat16"][: 1 if target == "sm_75" else 2]
+        tiles = tiles_for(TARGETS[target], DTYPES[dtypes[0]], head_size)
+        group = dict(target=target, dtypes=dtypes, head_size=head_size, tiles=tiles, worst=variant(worst))
+        proposals[(target, precision, head_size, kernel)] = search(group, kernel, tuple(worst["tiles"]), pythons,
+                                                                   processes)  # fmt: skip
+        print(
+            f"{target} {precision}/{head_size} {kernel}: {'x'.join(map(str, worst['tiles']))} -> "
+            f"{'x'.join(map(str, proposals[(target, precision, head_size, kernel)] or ['none']))}",
+            flush=True,
+        )
+    return proposals
+
+
+def run(configs: list[dict], processes: int) -> list[dict]:
+    """The rows of `configs`, compiled here (this interpreter's Triton) in `processes` processes."""
     with ProcessPoolExecutor(max_workers=processes) as pool:
         return [row for rows in pool.map(measure, configs) for row in rows]
+
+
+def run_elsewhere(python: str, configs: list[dict], processes: int) -> list[dict]:
+    """The rows of `configs` compiled by another interpreter (its own Triton), which must import this checkout."""
+    with tempfile.TemporaryDirectory() as folder:
+        jobs, out = Path(folder) / "jobs.json", Path(folder) / "rows.jsonl"
+        jobs.write_text(json.dumps(configs))
+        command = [python, "-m", "benchmarks.kernel_resources", "--jobs", str(jobs), "--json", str(out),
+                   "--processes", str(processes), "--no-record"]  # fmt: skip
+        subprocess.run(command, cwd=Path(__file__).resolve().parents[1], check=True, stdout=subprocess.DEVNULL)
+        return [json.loads(line) for line in out.read_text().splitlines()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,19 +442,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--no-record", action="store_true", help="do not append to benchmarks/records/")
+    parser.add_argument("--python", action="append", default=[], help="also compile with this interpreter's Triton")
+    parser.add_argument("--jobs", type=Path, help=argparse.SUPPRESS)  # a parent's configurations (run_elsewhere)
+    parser.add_argument(
+        "--search",
+        type=Path,
+        metavar="ROWS",
+        help="propose tiles where the rows of a --json file misfit: the largest that fit everywhere",
+    )
     args = parser.parse_args(argv)
+    if args.search:
+        rows = [json.loads(line) for line in args.search.read_text().splitlines()]
+        search_misfits([row for row in rows if row["target"] in args.targets], args.python, args.processes)
+        return 0
+    configs = json.loads(args.jobs.read_text()) if args.jobs else configurations(args.targets)
     started = time.perf_counter()
-    rows = run(args.targets, args.processes)
+    rows = run(configs, args.processes)
+    for python in args.python:
+        rows += run_elsewhere(python, configs, args.processes)
     seconds = time.perf_counter() - started
-    print("\n".join(table(rows)))
-    bad = [row for row in rows if not fits(row)]
-    print(f"{len(rows)} compiles in {seconds:.0f} s; {len(bad)} spill or exceed shared memory")
     if args.json:
         args.json.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if args.jobs:
+        return 0
+    print("\n".join(table(rows)))
+    bad = misfit_lines(rows)
+    print("\n".join(bad))
+    print(f"{len(rows)} compiles in {seconds:.0f} s; {len(bad)} spill or exceed shared memory")
     if not args.no_record:
-        import triton
-
-        figures = {"triton": triton.__version__, "shape": SHAPE, "seconds": round(seconds, 1), "rows": rows,
+        figures = {"triton": sorted({row["triton"] for row in rows}), "shape": SHAPE, "lengths": list(LENGTHS),
+                   "seconds": round(seconds, 1), "rows": rows,
                    "tiles": {f"{major}.{minor}": {f"{p}/{d}": t for (p, d), t in entries.items()}
                              for (major, minor), entries in TILES.items()}}  # fmt: skip
         append_record(

@@ -33,9 +33,9 @@ gradients of the tables are float32 buffers; torch autograd carries them on into
 `position_table` products the wrapper made, so the kernel's arguments are exactly the eager reference's tables.
 
 Registers. Offsets within a (batch, head) plane are int32 from that plane's base pointers, the column of a tile is
-gathered once for c2p and p2c, v is loaded after the scores: at the tiles of `TILES` no kernel spills, and each asks
-for no more shared memory than its GPU has, on every target `python -m benchmarks.kernel_resources` compiles for (it
-reads the same table, and CI checks part of it).
+gathered once for c2p and p2c, v is loaded after the scores: at the tiles of `triton_tiles.py` no kernel spills or asks
+for more shared memory than its GPU has, on every target, specialisation (`_kernel`) and Triton (3.8, 3.9) that
+`python -m benchmarks.kernel_resources` compiles for (it reads the same table, and CI checks part of it).
 
 Never materialised, forward or backward: any [L, L] tensor (scores, probabilities, bias, index, dS, dropout mask).
 What exists is O(L): the [B, H, L, W] tables and their gradients (as in the flex backend), the [2L - 1] column
@@ -56,7 +56,7 @@ Where it runs (`kernel_fallback_reason`, asked by `sdpa_disentangled` on each ca
 level when it falls back to its own blocked path): CUDA with compute capability 7.0 or more (8.0 for bfloat16; not
 ROCm), float16, bfloat16 or float32, head sizes 32, 64 and 128, self-attention with position terms (plain attention
 stays with torch's own fused kernels), no mask or a boolean key mask [B, 1, 1, L], where `tiles_for` has tiles for the
-GPU (a tuned profile in `triton_tiles.json`, else `TILES`). A pair mask [B, 1, L, L] (a 3-D attention_mask) falls back.
+GPU (a tuned profile, else `triton_tiles.TILES`). A pair mask [B, 1, L, L] (a 3-D attention_mask) falls back.
 Everything else is the kernel's: c2p, p2c and p2p in any combination, share_att_key or not (only Kr and Qr differ),
 clipped distances and log buckets (only `column` differs), packed sequences (the model calls once per sequence, each
 with its own cut column vector), dropout. A launch that fails all the same (an unlisted GPU: out of shared memory, a
@@ -79,16 +79,15 @@ In `modeling/`'s layering (`__init__.py`): layer 4, the GPU kernel, which sdpa c
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import warnings
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from .disentangled_attention import PositionScores
+from .triton_tiles import precision, tiles_for
 
 try:  # optional: the Hub bundle and CPU installs run without it (sdpa serves them)
     import triton
@@ -101,6 +100,25 @@ logger = logging.getLogger(__name__)
 # Decorated at import, as triton's own helpers are: TRITON_INTERPRET (Triton's interpreter, for tests on the CPU) must
 # be set before triton is imported, since triton.language's jitted helpers (`tl.zeros`, `tl.rand`) are built then.
 _jit = triton.jit if triton is not None else (lambda function: function)
+# The kernels themselves. Triton compiles a kernel once per specialisation of its arguments: an integer equal to 1 as a
+# constant, an integer or pointer divisible by 16 with that fact (which can change vectorisation, and so registers).
+# Facts no load can use are not specialised, so that a real call makes one of two compiles per kind of call, length a
+# multiple of 16 or not (`length: tl.int32` compiles a length of 1 as any other ragged length), which
+# `benchmarks.kernel_resources` compiles for every GPU: the dropout seed (data, drawn afresh for each training call: 1
+# would be a constant, and 1 draw in 16 divisible by 16), the head count and the key mask's batch stride (scalars),
+# the position tables' strides (their loads gather by column) and the alignment of the second row of the runs
+# (scalar loads; it follows the parity of the length).
+_NOT_SPECIALISED = ["seed", "heads", "keep_b"] + [
+    f"{table}_{axis}" for table in ("c2p", "p2c", "dc2p", "dp2c") for axis in "bhl"
+] + ["p2p_h", "dp2p_h"]  # fmt: skip
+
+
+def _kernel(function):
+    if triton is None:
+        return function
+    return triton.jit(function, do_not_specialize=_NOT_SPECIALISED, do_not_specialize_on_alignment=["Changes"])
+
+
 INTERPRETED = triton is not None and bool(triton.knobs.runtime.interpret)  # the kernels below are the interpreter's
 
 TRITON_AVAILABLE = triton is not None
@@ -108,95 +126,6 @@ USE_TRITON = True  # sdpa_disentangled runs the kernel where `kernel_fallback_re
 HEAD_SIZES = (32, 64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_DROPOUT_LENGTH = 46_340  # dropout's Philox counter i * L + j is int32
-
-# Tiles: (BLOCK_M query rows, BLOCK_N keys, num_warps, num_stages) of each kernel ("forward", and the backward's
-# "keys" and "queries" kernels), by compute capability, then by (precision, head size); precision is "half"
-# (float16 and bfloat16) or "float32". An entry None: that precision falls back to sdpa's path on that GPU (no tile
-# of a useful size fits its registers and shared memory). Chosen by `python -m benchmarks.kernel_resources`: the
-# largest tiles that compile without spilling (0 bytes of stack) and within the GPU's shared memory; a tuning run
-# on a GPU (`python -m benchmarks.tune_kernel`) writes faster ones to `triton_tiles.json`, which wins where it has
-# the GPU. The report reads this table too.
-_AMPERE = {  # sm_80 (and the start of sm_86 / sm_89's, whose ptxas allocates registers differently)
-    ("half", 32): {"forward": (64, 64, 8, 2), "keys": (64, 32, 8, 2), "queries": (128, 32, 8, 2)},
-    ("half", 64): {"forward": (64, 64, 8, 2), "keys": (64, 32, 8, 1), "queries": (64, 32, 8, 2)},
-    ("half", 128): {"forward": (64, 64, 8, 2), "keys": (64, 32, 8, 1), "queries": (64, 64, 8, 2)},
-    ("float32", 32): {"forward": (32, 32, 4, 2), "keys": (32, 32, 8, 1), "queries": (64, 32, 8, 2)},
-    ("float32", 64): {"forward": (32, 32, 4, 2), "keys": (32, 32, 8, 1), "queries": (64, 32, 8, 2)},
-    ("float32", 128): None,  # the keys kernel spills down to 16 x 16 (no released DeBERTa has head size 128)
-}
-_SM86 = {  # sm_86, sm_89: 99 KB of shared memory; where sm_80's tiles spill there, the next ones that do not
-    **_AMPERE,
-    ("half", 32): {"forward": (64, 64, 8, 2), "keys": (64, 32, 8, 1), "queries": (128, 32, 8, 2)},
-    ("half", 128): {"forward": (64, 32, 8, 2), "keys": (64, 32, 8, 1), "queries": (64, 32, 8, 2)},
-    ("float32", 64): {"forward": (32, 32, 4, 1), "keys": (32, 32, 8, 1), "queries": (32, 32, 8, 1)},
-}
-TILES: dict[tuple[int, int], dict[tuple[str, int], dict[str, tuple[int, int, int, int]] | None]] = {
-    (7, 5): {  # Turing (T4): float16 and float32; 64 KB of shared memory
-        ("half", 32): {"forward": (128, 32, 8, 2), "keys": (64, 32, 8, 2), "queries": (64, 32, 8, 2)},
-        ("half", 64): {"forward": (32, 32, 4, 2), "keys": (32, 32, 8, 1), "queries": (16, 32, 4, 1)},
-        ("half", 128): {"forward": (16, 32, 4, 1), "keys": (32, 16, 8, 1), "queries": (16, 16, 8, 1)},
-        ("float32", 32): {"forward": (64, 64, 8, 2), "keys": (32, 32, 8, 1), "queries": (64, 64, 8, 2)},
-        ("float32", 64): {"forward": (32, 32, 4, 2), "keys": (32, 32, 8, 1), "queries": (64, 32, 8, 2)},
-        ("float32", 128): None,
-    },
-    (8, 0): _AMPERE,  # A100, A800, A30
-    (8, 6): _SM86,  # A10, A40, RTX 30
-    (8, 9): _SM86,  # L4, L40S, RTX 40
-    (9, 0): {  # H100, H200, H20
-        ("half", 32): {"forward": (64, 64, 8, 2), "keys": (32, 64, 8, 2), "queries": (128, 32, 8, 2)},
-        ("half", 64): {"forward": (64, 64, 8, 2), "keys": (32, 64, 8, 2), "queries": (128, 32, 8, 2)},
-        ("half", 128): {"forward": (64, 64, 8, 2), "keys": (32, 16, 4, 1), "queries": (128, 32, 8, 2)},
-        ("float32", 32): {"forward": (64, 64, 8, 2), "keys": (32, 32, 8, 1), "queries": (64, 32, 8, 2)},
-        ("float32", 64): {"forward": (32, 32, 4, 1), "keys": (32, 32, 8, 1), "queries": (64, 32, 8, 2)},
-        ("float32", 128): None,
-    },
-}
-# Shared memory one block may ask for (bytes, opt-in maximum), by compute capability: the report's limit.
-SHARED_MEMORY = {(7, 0): 98_304, (7, 5): 65_536, (8, 0): 166_912, (8, 6): 101_376, (8, 7): 166_912, (8, 9): 101_376,
-                 (9, 0): 232_448}  # fmt: skip
-PROFILE_FILE = Path(__file__).with_name("triton_tiles.json")  # tuned tiles per GPU: benchmarks.tune_kernel
-
-
-def precision(dtype: torch.dtype) -> str:
-    return "float32" if dtype == torch.float32 else "half"
-
-
-def _tables_capability(capability: tuple[int, int]) -> tuple[int, int]:
-    """The TILES row for a GPU: its own, else the nearest listed one below it of the same major (8.7 takes 8.6's),
-    else the smallest-memory one (7.0 takes 7.5's; Blackwell and later 8.9's, until a tuning run lists them)."""
-    if capability in TILES:
-        return capability
-    below = [listed for listed in TILES if listed[0] == capability[0] and listed < capability]
-    if below:
-        return max(below)
-    return (7, 5) if capability < (7, 5) else (8, 9)
-
-
-def load_profiles(path: Path = PROFILE_FILE) -> list[dict]:
-    """The tuned tile profiles (benchmarks.tune_kernel): [{"gpu", "capability", "tiles": {"half/64": {phase:
-    tiles}}}]; none where the file is absent."""
-    if not path.is_file():
-        return []
-    return json.loads(path.read_text())["profiles"]
-
-
-_PROFILES: list[dict] | None = None
-
-
-def tiles_for(
-    capability: tuple[int, int], dtype: torch.dtype, head_size: int, gpu: str | None = None
-) -> dict[str, tuple[int, int, int, int]] | None:
-    """The tiles of each kernel on this GPU for `dtype` and `head_size`: a tuned profile for this GPU's name and
-    capability where `triton_tiles.json` has one, else TILES; None where this precision falls back on it."""
-    global _PROFILES
-    if _PROFILES is None:
-        _PROFILES = load_profiles()
-    key = f"{precision(dtype)}/{head_size}"
-    for profile in _PROFILES:
-        if profile["gpu"] == gpu and tuple(profile["capability"]) == tuple(capability) and key in profile["tiles"]:
-            return {phase: tuple(tiles) for phase, tiles in profile["tiles"][key].items()}
-    return TILES[_tables_capability(capability)].get((precision(dtype), head_size))
-
 
 # Launches that failed on a GPU (an unlisted GPU whose compiler or memory the tiles do not suit): (GPU name,
 # capability, dtype, head size) -> the reason. Each is warned about once, and sdpa's own path serves it afterwards.
@@ -259,7 +188,7 @@ def kernel_fallback_reason(
         if tiles_for(capability, query.dtype, query.shape[-1], gpu) is None:
             return (
                 f"no {precision(query.dtype)} tiles of head size {query.shape[-1]} fit compute capability "
-                f"{capability[0]}.{capability[1]} without spilling (triton_attention.TILES)"
+                f"{capability[0]}.{capability[1]} without spilling (triton_tiles.TILES)"
             )
         failed = FAILED_LAUNCHES.get((gpu, tuple(capability), query.dtype, query.shape[-1]))
         if failed is not None:
@@ -580,13 +509,13 @@ def _key_mask(Keep, keep_l, cols, length, HAS_MASK: tl.constexpr):
     return cols < length
 
 
-@_jit
+@_kernel
 def _forward_kernel(
     Q, q_b, q_h, q_l, q_d, K, k_b, k_h, k_l, k_d, V, v_b, v_h, v_l, v_d,
     C2P, c2p_b, c2p_h, c2p_l, c2p_w, P2C, p2c_b, p2c_h, p2c_l, p2c_w, P2P, p2p_h, p2p_d,
     Column, Shared, Changes, Keep, keep_b, keep_l,
     Out, o_b, o_l, o_h, o_d, RowMax, LogSum,
-    heads, length, scaling, dropout, seed, masked,
+    heads, length: tl.int32, scaling, dropout, seed, masked,
     HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_P2P: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -701,13 +630,13 @@ def _add_to_table(
             tl.atomic_add(target, grad_scores, mask=inside, sem="relaxed")
 
 
-@_jit
+@_kernel
 def _backward_keys_kernel(
     Q, q_b, q_h, q_l, q_d, K, k_b, k_h, k_l, k_d, V, v_b, v_h, v_l, v_d,
     C2P, c2p_b, c2p_h, c2p_l, c2p_w, P2C, p2c_b, p2c_h, p2c_l, p2c_w, P2P, p2p_h, p2p_d,
     Column, Shared, Changes, Keep, keep_b, keep_l,
     DO, do_b, do_l, do_h, do_d, RowMax, LogSum, Delta,
-    heads, length, scaling, dropout, seed, masked,
+    heads, length: tl.int32, scaling, dropout, seed, masked,
     DK, dk_b, dk_h, dk_l, dk_d, DV, dv_b, dv_h, dv_l, dv_d, DP2C, dp2c_b, dp2c_h, dp2c_l, dp2c_w, DP2P, dp2p_h, dp2p_d,
     HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_P2P: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
@@ -777,13 +706,13 @@ def _backward_keys_kernel(
     tl.store(DV + (cols[:, None] * dv_l + dims[None, :] * dv_d), grad_v.to(DV.dtype.element_ty), mask=in_keys)
 
 
-@_jit
+@_kernel
 def _backward_queries_kernel(
     Q, q_b, q_h, q_l, q_d, K, k_b, k_h, k_l, k_d, V, v_b, v_h, v_l, v_d,
     C2P, c2p_b, c2p_h, c2p_l, c2p_w, P2C, p2c_b, p2c_h, p2c_l, p2c_w, P2P, p2p_h, p2p_d,
     Column, Shared, Changes, Keep, keep_b, keep_l,
     DO, do_b, do_l, do_h, do_d, RowMax, LogSum, Delta,
-    heads, length, scaling, dropout, seed, masked,
+    heads, length: tl.int32, scaling, dropout, seed, masked,
     DQ, dq_b, dq_h, dq_l, dq_d, DC2P, dc2p_b, dc2p_h, dc2p_l, dc2p_w,
     HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr, HAS_P2P: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
@@ -836,8 +765,8 @@ def _backward_queries_kernel(
     tl.store(DQ + (rows[:, None] * dq_l + dims[None, :] * dq_d), (grad_q * scaling).to(DQ.dtype.element_ty), mask=valid)
 
 
-@_jit
-def _keep_mask_kernel(Out, length, dropout, seed, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+@_kernel
+def _keep_mask_kernel(Out, length: tl.int32, dropout, seed, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """`kept` for a whole [B * H, L, L] int8 tensor: the tests' copy of the kernels' dropout decisions."""
     plane = tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)

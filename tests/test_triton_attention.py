@@ -29,7 +29,7 @@ from parity import inflate_weights, max_abs_diff, padded_batch
 pytest.importorskip("triton")
 
 import disentangled  # noqa: E402
-from disentangled.modeling import sdpa_attention, triton_attention  # noqa: E402
+from disentangled.modeling import sdpa_attention, triton_attention, triton_tiles  # noqa: E402
 from disentangled.modeling.disentangled_attention import (  # noqa: E402
     PositionScores,
     RelativePositions,
@@ -287,10 +287,10 @@ def test_dispatch_takes_the_kernel_on_cuda_and_names_each_fallback(monkeypatch):
     assert "head sizes" in reason(*facts(dim=48), **cuda)
     assert "float64" in reason(*facts(dtype=torch.float64), **cuda)
     assert "no position terms" in reason(*facts(terms=False), **cuda)
-    for capability in triton_attention.TILES:  # every GPU of the table takes every precision it has tiles for
+    for capability in triton_tiles.TILES:  # every GPU of the table takes every precision it has tiles for
         for dim in (32, 64, 128):
             for dtype in (torch.float16, torch.float32) + ((torch.bfloat16,) if capability >= (8, 0) else ()):
-                tiles = triton_attention.tiles_for(capability, dtype, dim)
+                tiles = triton_tiles.tiles_for(capability, dtype, dim)
                 said = reason(*facts(dim=dim, dtype=dtype), capability=capability, **cuda)
                 assert (said is None) == (tiles is not None), (capability, dim, dtype, said)
     assert "(8.0 for bfloat16)" in reason(*facts(), capability=(7, 5), **cuda)
@@ -306,29 +306,29 @@ def test_dispatch_takes_the_kernel_on_cuda_and_names_each_fallback(monkeypatch):
 def test_tiles_per_gpu_from_the_table_and_a_tuned_profile(tmp_path, monkeypatch):
     """`tiles_for` reads TILES by compute capability (an unlisted one takes a listed neighbour's), and a tuned
     profile for the GPU's name and capability wins over it; every listed entry names the three kernels' tiles."""
-    for capability, entries in triton_attention.TILES.items():
+    for capability, entries in triton_tiles.TILES.items():
         for (precision, dim), tiles in entries.items():
             assert precision in ("half", "float32") and dim in triton_attention.HEAD_SIZES
             if tiles is not None:
                 assert set(tiles) == {"forward", "keys", "queries"}, (capability, precision, dim)
                 assert all(len(t) == 4 and all(isinstance(n, int) and n > 0 for n in t) for t in tiles.values())
-    monkeypatch.setattr(triton_attention, "_PROFILES", [])
-    table = triton_attention.TILES
-    assert triton_attention.tiles_for((8, 7), torch.bfloat16, 64) == table[(8, 6)][("half", 64)]
-    assert triton_attention.tiles_for((7, 0), torch.float16, 64) == table[(7, 5)][("half", 64)]
-    assert triton_attention.tiles_for((12, 0), torch.bfloat16, 128) == table[(8, 9)][("half", 128)]
+    monkeypatch.setattr(triton_tiles, "_PROFILES", [])
+    table = triton_tiles.TILES
+    assert triton_tiles.tiles_for((8, 7), torch.bfloat16, 64) == table[(8, 6)][("half", 64)]
+    assert triton_tiles.tiles_for((7, 0), torch.float16, 64) == table[(7, 5)][("half", 64)]
+    assert triton_tiles.tiles_for((12, 0), torch.bfloat16, 128) == table[(8, 9)][("half", 128)]
     tuned = {"forward": [32, 32, 4, 1], "keys": [16, 16, 4, 1], "queries": [16, 32, 4, 1]}
     path = tmp_path / "triton_tiles.json"
     path.write_text(
         json.dumps({"profiles": [{"gpu": "NVIDIA H200", "capability": [9, 0], "tiles": {"half/64": tuned}}]})
     )
-    monkeypatch.setattr(triton_attention, "_PROFILES", triton_attention.load_profiles(path))
+    monkeypatch.setattr(triton_tiles, "_PROFILES", triton_tiles.load_profiles(path))
     expected = {phase: tuple(tiles) for phase, tiles in tuned.items()}
-    assert triton_attention.tiles_for((9, 0), torch.bfloat16, 64, "NVIDIA H200") == expected
-    assert triton_attention.tiles_for((9, 0), torch.float16, 64, "NVIDIA H200") == expected  # "half": both
-    assert triton_attention.tiles_for((9, 0), torch.bfloat16, 64, "NVIDIA H100") == table[(9, 0)][("half", 64)]
-    assert triton_attention.tiles_for((9, 0), torch.bfloat16, 128, "NVIDIA H200") == table[(9, 0)][("half", 128)]
-    assert triton_attention.load_profiles(tmp_path / "absent.json") == []
+    assert triton_tiles.tiles_for((9, 0), torch.bfloat16, 64, "NVIDIA H200") == expected
+    assert triton_tiles.tiles_for((9, 0), torch.float16, 64, "NVIDIA H200") == expected  # "half": both
+    assert triton_tiles.tiles_for((9, 0), torch.bfloat16, 64, "NVIDIA H100") == table[(9, 0)][("half", 64)]
+    assert triton_tiles.tiles_for((9, 0), torch.bfloat16, 128, "NVIDIA H200") == table[(9, 0)][("half", 128)]
+    assert triton_tiles.load_profiles(tmp_path / "absent.json") == []
 
 
 def test_failed_launch_falls_back_once_with_a_warning(monkeypatch, caplog):

@@ -103,9 +103,12 @@ CALL = Diagram(
                 [
                     Box("cpu", "cpu_inference.py", ["CPU inference: the bias", "by distance, in blocks"]),
                     Box("native", "native.py", ["the compiled CPU kernels", "of `position_bias.c`"]),
-                    Box("triton", "triton_attention.py", ["CUDA: the fused Triton", "kernel, its tiles per GPU"]),
+                    Box("triton", "triton_attention.py", ["CUDA: the fused Triton", "kernel and its launches"]),
                 ],
-                [Box("workspace", "workspace.py", ["buffers the blocked paths reuse"])],
+                [
+                    Box("workspace", "workspace.py", ["buffers the blocked paths reuse"]),
+                    Box("tiles", "triton_tiles.py", ["the kernel's tiles per GPU:", "the table, tuned profiles"]),
+                ],
             ],
             folder="modeling/",
         ),
@@ -123,6 +126,7 @@ CALL = Diagram(
         ("sdpa", "triton", "CUDA"),
         ("cpu", "native", ""),
         ("cpu", "workspace", ""),
+        ("triton", "tiles", ""),
     ],
 )
 
