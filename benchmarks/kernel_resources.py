@@ -68,6 +68,7 @@ def launches(dtype: torch.dtype, head_size: int, flags: dict, tiles: dict, shape
     """The three kernels' launches for a call of `shape`: on CPU tensors to compile (never run), or filled on a GPU
     to time (`benchmarks.tune_kernel`), with DeBERTa-v3's log buckets (256 per side, reach 512)."""
     from disentangled.modeling.disentangled_attention import RelativePositions
+    from disentangled.modeling.workspace import int32_column
 
     batch, heads, length = shape["batch"], shape["heads"], shape["length"]
     positions = RelativePositions.build(length, 256, 256, 512, device)
@@ -79,7 +80,7 @@ def launches(dtype: torch.dtype, head_size: int, flags: dict, tiles: dict, shape
     query, key, value = (tensor(batch, length, heads, head_size).transpose(1, 2) for _ in range(3))
     c2p, p2c = (tensor(batch, heads, length, width) for _ in range(2))
     p2p = tensor(heads, 2 * length - 1) if flags["p2p"] else None
-    column, runs = positions.int32_column, positions.column_runs
+    column, runs = int32_column(positions), triton_attention.column_runs(positions)
     keep = torch.ones(batch, length, dtype=torch.bool, device=device) if flags["mask"] else None
     inputs = (query, key, value, c2p, p2c, p2p, column, runs, keep)
     dropout, seed, scaling = (0.1 if flags["dropout"] else 0.0), 1, head_size**-0.5 / 3**0.5
