@@ -275,7 +275,7 @@ def cuda_call(**facts) -> dispatch.Call:
                             "capability": (9, 0), **facts})  # fmt: skip
 
 
-def test_dispatch_takes_the_kernel_on_cuda_and_names_each_fallback(monkeypatch, switch):
+def test_dispatch_takes_the_kernel_on_cuda_and_names_each_fallback(monkeypatch, switch, verdicts):
     def path(**facts):
         return dispatch.decide(cuda_call(**facts))
 
@@ -283,8 +283,12 @@ def test_dispatch_takes_the_kernel_on_cuda_and_names_each_fallback(monkeypatch, 
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for mask in ("none", "keys"):
                 decision = path(head_size=dim, dtype=dtype, mask=mask)
+                tiles = triton_attention.tiles_for((9, 0), dtype, dim, "NVIDIA H100")
+                if tiles is None:  # float32 at head size 128: no tiles fit (TILES says None)
+                    assert decision.path == "sdpa-blocked" and "without spilling" in decision.describe()
+                    continue
                 assert decision.path == "triton" and not decision.skipped, (dim, dtype, mask, decision)
-                assert decision.tiles == triton_attention.tiles_for((9, 0), dtype, dim, "NVIDIA H100")
+                assert decision.tiles == tiles and decision.check == "pending"
 
     def fallback(**facts) -> str:
         decision = path(**facts)
@@ -391,7 +395,7 @@ def test_table_tile_kinds_match_the_columns():
         length = arguments["length"]
         positions = RelativePositions.build(length, *arguments.get("buckets", (8, 0, 0)), "cpu")
         column = positions.column.tolist()
-        kinds = iter(triton_attention.table_tile_kinds(positions.column_runs, length, 16, 16))
+        kinds = iter(triton_attention.table_tile_kinds(triton_attention.column_runs(positions), length, 16, 16))
         for i0 in range(0, length, 16):
             for j0 in range(0, length, 16):
                 distances = {i - j + length - 1 for i in range(i0, min(i0 + 16, length))
