@@ -173,6 +173,21 @@ def test_device_check_passes_on_the_cpu_and_catches_a_wrong_term(monkeypatch, sw
     assert failed.value.code == 1 and "FAIL" in capsys.readouterr().out
 
 
+def test_the_gpu_checks_refuse_a_machine_without_one(monkeypatch):
+    """device_check and self_check name the missing GPU (the tuner: tests/test_kernel_resources.py); self_check's
+    interpreter route needs TRITON_INTERPRET=1 from the start."""
+    from benchmarks import device_check, self_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="no CUDA GPU here"):
+        device_check.main(["--device", "cuda", "--no-benchmark"])
+    with pytest.raises(ValueError, match="CUDA GPU; --device cuda has none here"):
+        self_check.main(["--device", "cuda"])
+    if not self_check.triton_attention.INTERPRETED:
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+            self_check.main(["--device", "cpu", "--interpret"])
+
+
 def test_device_check_writes_its_lines_and_stage_times_under_the_out_dir(switch, tmp_path):
     """--out-dir (a device run's $OUT) receives the check's lines and each stage's seconds; the anchors, absent or off
     CUDA, are reported with the reason and do not fail the check."""
