@@ -100,7 +100,7 @@ PATHS = {  # path: what runs it
 }
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Call:
     """The facts of one attention call that decide its path (`call_facts` reads them off the tensors)."""
 
@@ -218,37 +218,33 @@ def call_facts(
     output_attentions: bool = False,
 ) -> Call:
     """The facts of a call of the backends' signature ([B, H, L, D] q, k, v)."""
+    _, heads, length, head_size = query.shape
+    device, dtype, tracing = query.device, query.dtype, is_tracing()
     tensors = (query, key, value)
-    terms, width, tiled = (), 0, True
+    terms, width, tiled, positions_length = (), 0, True, length
     if position_scores is not None:
-        tensors += (position_scores.pos_key, position_scores.pos_query)
-        terms = tuple(
-            name
-            for name, table in zip(
-                ("c2p", "p2c", "p2p"), (position_scores.pos_key, position_scores.pos_query, position_scores.p2p)
-            )
-            if table is not None
-        )
+        pos_key, pos_query, p2p = position_scores.pos_key, position_scores.pos_query, position_scores.p2p
+        tensors += (pos_key, pos_query)
+        terms = tuple(name for name, table in (("c2p", pos_key), ("p2c", pos_query), ("p2p", p2p)) if table is not None)
         positions = position_scores.positions
-        width = positions.width
-        if query.device.type == "cpu" and not is_tracing():  # what the CPU kernels' tiles need (made once a forward)
+        width, positions_length = positions.width, positions.length
+        if device.type == "cpu" and not tracing:  # what the CPU kernels' tiles need (made once a forward)
             tiled = kernel_columns(positions) is not None
-    length = query.shape[-2]
+    key_shape = key.shape
     uniform = (
-        query.dtype == key.dtype == value.dtype
-        and query.shape[-1] == key.shape[-1] == value.shape[-1]
-        and key.shape[-2] == length
-        and (position_scores is None or position_scores.positions.length == length)
+        dtype == key.dtype == value.dtype
+        and head_size == key_shape[-1] == value.shape[-1]
+        and key_shape[-2] == length == positions_length
     )
     gpu = capability = None
-    if query.device.type == "cuda":
-        gpu, capability = _device_facts(query.device)
+    if device.type == "cuda":
+        gpu, capability = _device_facts(device)
     return Call(
-        device=query.device.type,
-        dtype=query.dtype,
-        head_size=query.shape[-1],
+        device=device.type,
+        dtype=dtype,
+        head_size=head_size,
         length=length,
-        heads=query.shape[1],
+        heads=heads,
         gradients=torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors),
         dropout=dropout,
         mask=mask_kind(attention_mask),
@@ -258,7 +254,7 @@ def call_facts(
         uniform=uniform,
         implementation=implementation,
         output_attentions=output_attentions,
-        tracing=is_tracing(),
+        tracing=tracing,
         gpu=gpu,
         capability=capability,
     )
