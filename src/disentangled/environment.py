@@ -9,7 +9,7 @@ threads), the compiled CPU kernel (built or not, and why not), each GPU (name, c
 kernel's tiles for each precision and head size and whether they come from a tuned profile), the switches, the
 self-check's verdicts kept on this machine, and the attention path each kind of call takes (device, dtype, inference
 or training), with its reason: the answer of `dispatch.decide`, the function that picks the path of every real call,
-for a DeBERTa-v3-base call of 8 x 512 tokens. `facts()` gathers it all; `benchmarks/records.py` writes it into every
+for a DeBERTa-v3-base call of 512 tokens. `facts()` gathers it all; `benchmarks/records.py` writes it into every
 record.
 """
 
@@ -307,7 +307,7 @@ def render(found: dict) -> str:
         state = "passed" if verdict["passed"] else "FAILED"
         stale = "" if verdict["current"] else " (made with other versions: not used here)"
         lines.append(f"- {described}: {state}{stale}")
-    lines += ["", "## Attention paths (DeBERTa-v3-base call, 8 x 512 tokens, key mask)", ""]
+    lines += ["", "## Attention paths (a DeBERTa-v3-base call: 12 heads of 64, 512 tokens, key mask)", ""]
     lines += ["| device | dtype | mode | path | why |", "|---|---|---|---|---|"]
     for row in found["paths"]:
         why = row["reason"] + "".join(f"; not {entry}" for entry in row["not"])
