@@ -45,7 +45,7 @@ EXTENSIONS = [
 ]
 VERSIONS = ["torch", "transformers", "triton", "onnxruntime", "disentangled"]  # distributions, by their metadata
 # A DeBERTa-v3-base call as the report describes it: 12 heads of 64, 512 tokens with a key mask, c2p + p2c, 256 log
-# buckets reaching up to 512 tokens (`reported_call`), dropout 0.1 in training.
+# buckets reaching 512 tokens (the reach `paths` builds), dropout 0.1 in training.
 REPORTED_CALL = dict(head_size=64, length=512, heads=12, mask="keys", terms=("c2p", "p2c"))
 
 
