@@ -61,8 +61,7 @@ from .validation import is_tracing
 
 logger = logging.getLogger("disentangled.dispatch")
 
-# The switches: (environment variable or None, what the value turns). Read on every decision, so that a test or a
-# benchmark may change them between calls.
+# The switches, read on every decision (so a test or a benchmark may change them between calls); SWITCHES lists them.
 TRITON = os.environ.get("DISENTANGLED_TRITON", "check")  # "0", "1" or "check"
 CPU_KERNEL = True  # the compiled CPU kernels in inference (False: the pure-PyTorch path everywhere; tests, A/B timing)
 CPU_FUSED = True  # the fused CPU attention (`cpu_inference._attend_fused`) where it can run (False: the bias kernel)
@@ -70,7 +69,7 @@ FUSED_FLOAT32 = True  # float32 takes the fused attention too (False: the bias k
 TRAINING_KERNEL = True  # CPU training's bias and its gradient by the compiled kernel (`native.hankel_bias`)
 FLEX_COMPILED = True  # flex_attention compiled (False: its dense reference of the same score_mod; tests)
 KEEP_WORKSPACE = True  # the blocked CPU paths keep their buffers between calls (False: fresh ones each call)
-SWITCHES = {
+SWITCHES = {  # name: (the environment variable users set, or None: an attribute only), what it turns on
     "TRITON": ("DISENTANGLED_TRITON", "the Triton kernel on CUDA: '0' off, '1' on, 'check' on after a self-check"),
     "CPU_KERNEL": (None, "the compiled CPU kernels in inference (bias kernel and fused attention)"),
     "CPU_FUSED": (None, "the fused CPU attention where it can run"),
@@ -125,6 +124,8 @@ class Call:
 
 @dataclass(frozen=True)
 class Decision:
+    """What serves a call (`decide`'s answer)."""
+
     implementation: str  # the backend function that runs: "eager", "sdpa", "flex_attention" or a registered name
     path: str  # one of PATHS
     reason: str  # why this path serves the call
