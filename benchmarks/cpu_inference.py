@@ -9,14 +9,14 @@
     python -m benchmarks.cpu_inference --variants as-is --baseline fcb26f5 --processes 5   # five fresh processes
 
 Times the model as it stands against variants that each undo one choice (module constants of
-`disentangled.modeling.cpu_inference` and `.workspace`), interleaved with a same-size BERT with sdpa; prints medians and
+`disentangled.modeling.cpu_inference` and switches of `.dispatch`), interleaved with a same-size BERT with sdpa; prints medians and
 ratios to BERT. Every variant's output is checked equal to the model's (a `--baseline` one to 1e-5). Variants:
 
 - `fresh-buffers`: every call allocates its buffers (KEEP_WORKSPACE=False), as before they were kept;
-- `no-kernel`: the pure-PyTorch path where the compiled bias kernel runs (USE_KERNEL=False; the variants below
+- `no-kernel`: the pure-PyTorch path where the compiled bias kernel runs (CPU_KERNEL=False; the variants below
   tune that path, so they turn the kernel off too);
 - `no-fused`: the bias kernel and SDPA where the fused attention runs in float32 (FUSED_FLOAT32=False);
-- `kernel-split-always`: the bias kernel and SDPA (USE_FUSED=False), the far keys split off at every length
+- `kernel-split-always`: the bias kernel and SDPA (CPU_FUSED=False), the far keys split off at every length
   (KERNEL_SPLIT_LENGTH=0);
 - `whole-row-add`: the add of the c2p and p2c views over whole block rows (ADD_CHUNK_KEYS above any length);
 - `band-32-keys`, `band-128-keys`: U's bands of 32 or 128 keys (BAND_TABLE_KEYS), not 64;
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import statistics
 import subprocess
@@ -51,30 +52,31 @@ from torch.nn import functional as F
 from benchmarks import machine
 from benchmarks.run import V3_BASE, build_models, in_fresh_processes, inputs_for, print_ratio_medians, time_once
 from disentangled.modeling import cpu_inference as by_distance
-from disentangled.modeling import disentangled_attention, sdpa_attention, workspace
+from disentangled.modeling import disentangled_attention, dispatch, native, sdpa_attention, workspace
 
-PYTORCH = {"USE_KERNEL": False}  # the path without the compiled kernel, which the variants below it tune
+PYTORCH = {"CPU_KERNEL": False}  # the path without the compiled kernel, which the variants below it tune
 VARIANTS = {
     "as-is": {},
     "fresh-buffers": {"KEEP_WORKSPACE": False},
     "no-kernel": PYTORCH,
     "no-fused": {"FUSED_FLOAT32": False},
-    "kernel-split-always": {"USE_FUSED": False, "KERNEL_SPLIT_LENGTH": 0},
+    "kernel-split-always": {"CPU_FUSED": False, "KERNEL_SPLIT_LENGTH": 0},
     "whole-row-add": {**PYTORCH, "ADD_CHUNK_KEYS": 1 << 30},
     "band-32-keys": {**PYTORCH, "BAND_TABLE_KEYS": 32},
     "band-128-keys": {**PYTORCH, "BAND_TABLE_KEYS": 128},
     "unpadded-products": {**PYTORCH, "PRODUCT_COLUMNS_MULTIPLE": 1},
 }
-# the module each setting is read from (`_attend_by_distance`: where `sdpa_disentangled` calls it)
+# the module each setting is read from (the switches: `dispatch`; `_attend_by_distance`: where `sdpa_disentangled`
+# calls it)
 HOMES = {
-    "KEEP_WORKSPACE": workspace,
+    "KEEP_WORKSPACE": dispatch,
     "ADD_CHUNK_KEYS": by_distance,
     "BAND_TABLE_KEYS": by_distance,
     "PRODUCT_COLUMNS_MULTIPLE": by_distance,
-    "USE_KERNEL": by_distance,
+    "CPU_KERNEL": dispatch,
     "KERNEL_SPLIT_LENGTH": by_distance,
-    "FUSED_FLOAT32": by_distance,
-    "USE_FUSED": by_distance,
+    "FUSED_FLOAT32": dispatch,
+    "CPU_FUSED": dispatch,
     "_attend_by_distance": sdpa_attention,
 }
 
@@ -106,12 +108,14 @@ def baseline_backends(revision: str, folder: Path, file: str = "cpu_inference.py
 
 def attend_at(revision: str, folder: Path):
     """`_attend_by_distance` as at `revision`, called as `sdpa_disentangled` calls today's (before the split, its
-    caller passed the block size)."""
+    caller passed the block size; before `dispatch.decide` chose the path, it chose its own)."""
     attend = baseline_backends(revision, folder)._attend_by_distance
+    takes_path = "path" in inspect.signature(attend).parameters
 
-    def attend_by_distance(*arguments):
+    def attend_by_distance(*arguments, path=None):
         *arguments, block_elements = arguments
-        return attend(*arguments, block_elements or by_distance.DISTANCE_BLOCK_ELEMENTS)
+        block_elements = block_elements or by_distance.DISTANCE_BLOCK_ELEMENTS
+        return attend(*arguments, block_elements, path=path) if takes_path else attend(*arguments, block_elements)
 
     return attend_by_distance
 
@@ -204,7 +208,6 @@ def bias_cost_timings(cases: list[str], dtype: torch.dtype, repeats: int) -> Non
     kernel making that dense bias from T and U by bucket (`native.position_bias`); and the fused attention that makes
     T, U and the bias inside its tiles (`native.attend`, bfloat16 on AMX or float32 on AVX-512: the whole attention
     with both terms, to set beside SDPA without a bias). Median milliseconds."""
-    from disentangled.modeling import native
 
     heads = V3_BASE["num_attention_heads"]
     dim = V3_BASE["hidden_size"] // heads
@@ -229,13 +232,13 @@ def bias_cost_timings(cases: list[str], dtype: torch.dtype, repeats: int) -> Non
         attend = partial(F.scaled_dot_product_attention, query, key, value)
         calls = {name: partial(attend, attn_mask=bias) for name, bias in biases.items()}
         if kernel:  # into the dense bias's tensor (T's columns are not reversed here: the same work)
-            arguments = (biases["dense"], *tables, *positions.kernel_columns, None, 0, 0)
+            arguments = (biases["dense"], *tables, *native.kernel_columns(positions), None, 0, 0)
             calls["kernel"] = partial(native.position_bias, *arguments)
         if fused:  # Kr and Qr of 16-row multiples in the kernel's tile layout
             relative = [native.as_key_tiles(randn(heads, -(-width // 16) * 16, dim) * 0.3) for _ in range(2)]
             out = query.new_empty(batch, length, heads, dim)
             workspace = torch.empty(native.workspace_bytes(length, relative[0].shape[1] * 16), dtype=torch.uint8)
-            arguments = (out, query, key, value, *relative, *positions.kernel_columns, None, slice(0, length))
+            arguments = (out, query, key, value, *relative, *native.kernel_columns(positions), None, slice(0, length))
             calls["fused"] = partial(native.attend, *arguments, dim**-0.5, workspace)
         times = {name: [] for name in calls}
         with torch.inference_mode():
@@ -322,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     def call(variant: str, inputs) -> float:
         for name, value in {**defaults, **variants[variant]}.items():
             setattr(HOMES[name], name, value)
-        if workspace.KEEP_WORKSPACE:
+        if dispatch.KEEP_WORKSPACE:
             workspace.kept_workspace(ours.encoder)  # makes this thread's {module: workspace} map
             workspace._workspaces.by_module[ours.encoder] = workspaces.setdefault(variant, {})
         return time_once(ours, inputs, False)
@@ -340,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
                     outputs[variant] = ours(**inputs).last_hidden_state
                 # the variants of one path only regroup the same sums: equal; the other paths (the pure-PyTorch one,
                 # the fused attention's), the far keys' merge and an earlier commit sum in another order
-                other_paths = ("USE_KERNEL", "KERNEL_SPLIT_LENGTH", "FUSED_FLOAT32")
+                other_paths = ("CPU_KERNEL", "KERNEL_SPLIT_LENGTH", "FUSED_FLOAT32")
                 other_sums = variant.startswith("at-") or any(name in variants[variant] for name in other_paths)
                 tolerance = 1e-5 if other_sums else 0.0
                 if not torch.allclose(outputs[variant], outputs["as-is"], rtol=tolerance, atol=tolerance):

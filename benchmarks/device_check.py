@@ -8,9 +8,9 @@ Stages, each printed with the seconds it took:
 1. float32 parity: a 2-layer DeBERTa-v3-shaped model (small hidden size, head size 32, 16 log buckets so a 300-token
    batch reaches them) with spread-out weights, on a padded batch; sdpa and flex_attention against eager on the same
    device: outputs within 1e-5 and every gradient within 1e-4 of its scale (flex gradients where PyTorch has a flex
-   backward, i.e. not on the CPU). sdpa runs twice where the checkout has the Triton kernel's switch
-   (`triton_attention.USE_TRITON`): with it on, where on CUDA the kernel must serve the calls (a silent fallback
-   fails), and off. Fails on a mismatch.
+   backward, i.e. not on the CPU). sdpa runs twice: with the Triton kernel on (`dispatch.TRITON` "check", the default:
+   its self-check on first use runs as a user's would), where on CUDA the kernel must serve the calls (a silent
+   fallback fails), and off ("0"). Fails on a mismatch.
 2. bfloat16 parity: ours in bfloat16 (sdpa, Triton on and off) against transformers' DeBERTa in float32 on the same
    weights; our error within 2x transformers' own bfloat16 error + 1e-3. Fails on a mismatch.
    Then transformers' own DebertaV2Model, `disentangled.accelerate`d in place, against itself unaccelerated in
@@ -18,13 +18,17 @@ Stages, each printed with the seconds it took:
    and pipelines run. Fails on a mismatch.
 3. The anchors (benchmarks/gpu_anchors.py): FlashDeBERTa and disentangled-flash against transformers' DeBERTa in
    float32 on the padded batch. Printed, never failed: they are not ours.
-4. `benchmarks.run --device cuda --dtype bfloat16 --no-eager --no-memory`: the GPU cases with the anchors; no case
+4. On CUDA, the Triton kernel's self-check (`benchmarks.self_check`) for every kind of call a DeBERTa-v3 model makes
+   on this GPU, from an empty verdict cache: each verdict with its figures and its cost. A failed verdict fails this
+   check. (--no-self-check leaves it out.)
+5. `benchmarks.run --device cuda --dtype bfloat16 --no-eager --no-memory`: the GPU cases with the anchors; no case
    starts after --budget-s seconds from the start of this check (default 270: parity and the cases that started fit
    in 6 minutes on an H200). It runs even after a parity failure (the record says which), and this check then exits 1.
 
-With --out-dir the benchmark's results go to OUT/results, its record to OUT/records/run.jsonl (append that line to
-benchmarks/records/run.jsonl, then `python -m benchmarks.report`), and this check's own lines to
-OUT/device_check.json. --commit names the commit measured where the tree is not a git checkout.
+With --out-dir the benchmark's results go to OUT/results, its record and the self-check's to OUT/records/run.jsonl and
+OUT/records/self_check.jsonl (append those lines to benchmarks/records/, then `python -m benchmarks.report`), the
+self-check's verdicts to OUT/self_checks.json, and this check's own lines (with the verdicts the parity stages' calls
+made) to OUT/device_check.json. --commit names the commit measured where the tree is not a git checkout.
 
 A device machine reaches no package registry, and its image has torch, Triton and transformers but not the anchors
 nor all of our own dependencies, so their wheels are downloaded here and carried (`.device-wheels/` is git-ignored,
@@ -46,6 +50,7 @@ the machine takes; names already installed in the image are left as they are.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib
 import json
@@ -60,6 +65,7 @@ import transformers
 
 import disentangled
 from benchmarks import gpu_anchors
+from disentangled.modeling import dispatch, kernel_check
 
 CONFIG = dict(
     vocab_size=1000,
@@ -125,54 +131,34 @@ def run_backend(model, batch, backward: bool) -> tuple[torch.Tensor, dict[str, t
     return output.detach(), grads
 
 
-def triton_switch():
-    """The module whose USE_TRITON turns the sdpa backend's Triton kernel on CUDA on and off, or None in a checkout
-    without the kernel."""
-    for name in ("triton_attention", "sdpa_attention"):
-        try:
-            module = importlib.import_module(f"disentangled.modeling.{name}")
-        except ImportError:
-            continue
-        if hasattr(module, "USE_TRITON"):
-            return module
-    return None
-
-
 class KernelCalls:
-    """Within `with`, the Triton kernel's switch set to `on` and the calls the sdpa backend makes to the kernel
-    counted (sdpa_attention.triton_disentangled wrapped); a checkout without the kernel counts none."""
+    """Within `with`, the Triton kernel switched on (`dispatch.TRITON` "check", the default: on after its self-check
+    of each kind of call) or off ("0") where `on` is not None, and the calls the sdpa backend makes to the kernel
+    counted (sdpa_attention.triton_disentangled wrapped; the self-check's runs of the kernel are among them)."""
 
     def __init__(self, on: bool | None):
         self.on, self.count = on, 0
-        self.switch = triton_switch()
         self.sdpa = importlib.import_module("disentangled.modeling.sdpa_attention")
+        self.switch = contextlib.nullcontext() if on is None else dispatch.switched(TRITON="check" if on else "0")
 
     def __enter__(self) -> KernelCalls:
-        self.saved_switch = getattr(self.switch, "USE_TRITON", None)
-        if self.switch is not None and self.on is not None:
-            self.switch.USE_TRITON = self.on
-        self.kernel = getattr(self.sdpa, "triton_disentangled", None)
-        if self.kernel is not None:
+        self.switch.__enter__()
+        self.kernel = self.sdpa.triton_disentangled
 
-            def counted(*args, **kwargs):
-                self.count += 1
-                return self.kernel(*args, **kwargs)
+        def counted(*args, **kwargs):
+            self.count += 1
+            return self.kernel(*args, **kwargs)
 
-            self.sdpa.triton_disentangled = counted
+        self.sdpa.triton_disentangled = counted
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.switch is not None:
-            self.switch.USE_TRITON = self.saved_switch
-        if self.kernel is not None:
-            self.sdpa.triton_disentangled = self.kernel
+        self.sdpa.triton_disentangled = self.kernel
+        self.switch.__exit__(*exc)
 
 
 def sdpa_variants() -> list[tuple[str, str, bool | None]]:
-    """(label, backend, Triton switch) for the parity stages: sdpa with the kernel on and off where the checkout has
-    the switch, else sdpa as it is; then flex."""
-    if triton_switch() is None:
-        return [("sdpa", "sdpa", None)]
+    """(label, backend, Triton switch) for the parity stages: sdpa with the kernel on and off."""
     return [("sdpa, Triton kernel on", "sdpa", True), ("sdpa, Triton kernel off", "sdpa", False)]
 
 
@@ -275,8 +261,7 @@ def accelerate_parity(device: torch.device, lines: list[str] | None = None) -> b
     real = batch["attention_mask"].bool()
     expected, expected_grads = run_backend(reference, batch, backward=True)
     accelerated = disentangled.accelerate(copy.deepcopy(reference))
-    switch = triton_switch() is not None or None
-    with KernelCalls(switch) as calls:
+    with KernelCalls(True) as calls:
         actual, grads = run_backend(accelerated, batch, backward=True)
     kernel_ok, kernel_note = kernel_verdict(calls, device)
     scale = max(1.0, expected[real].abs().max().item())
@@ -321,6 +306,17 @@ def anchor_parity(device: torch.device, lines: list[str] | None = None) -> None:
         print(lines[-1], flush=True)
 
 
+def self_check_stage(device: torch.device, lines: list[str], out_dir: Path | None, commit: str | None) -> bool:
+    """Stage 4: `benchmarks.self_check` on this GPU; its record and verdicts under `out_dir` where given."""
+    from benchmarks import self_check
+
+    arguments = ["--device", str(device)] + (["--out-dir", str(out_dir)] if out_dir else [])
+    passed = self_check.main(arguments + (["--commit", commit] if commit else [])) == 0
+    lines.append(f"{device} Triton self-check of each kind of call: {'ok' if passed else 'FAIL'}")
+    print(lines[-1], flush=True)
+    return passed
+
+
 def install_command(folder: str = ".device-wheels") -> str:
     """What installs the carried wheels, then our package, on a machine without a registry."""
     requirements = " ".join(shlex.quote(requirement) for requirement, _ in WHEELS)
@@ -356,6 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--no-benchmark", action="store_true")
+    parser.add_argument("--no-self-check", action="store_true", help="leave out the self-check stage (CUDA only)")
     parser.add_argument("--budget-s", type=float, default=270.0, help="start no benchmark case after this (seconds)")
     parser.add_argument("--out-dir", type=Path, default=None, help="results, record and this check's lines (a $OUT)")
     parser.add_argument("--commit", default=None, help="the commit measured, where the tree is not a git checkout")
@@ -367,6 +364,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     started = time.monotonic()
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device_check --device {args.device}: torch sees no CUDA GPU here (--device cpu checks parity)")
     lines, stages = [], {}
 
     def stage(name: str, check) -> bool:
@@ -380,8 +379,14 @@ def main(argv: list[str] | None = None) -> None:
     ok &= stage("bfloat16 parity", bfloat16_parity)
     ok &= stage("accelerate parity", accelerate_parity)
     stage("anchors", anchor_parity)
+    made = [  # the verdicts of the self-checks the parity stages' calls ran, as a user's first calls run them
+        {"kind": verdict["kind"], "passed": verdict["passed"], "seconds": verdict["seconds"]}
+        for verdict in kernel_check._verdicts.values()
+    ]
     if args.out_dir:
         args.out_dir.mkdir(parents=True, exist_ok=True)
+    if device.type == "cuda" and not args.no_self_check:
+        ok &= stage("self-check", lambda device, lines: self_check_stage(device, lines, args.out_dir, args.commit))
     if not args.no_benchmark:
         from benchmarks import run
 
@@ -397,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
         stages["benchmark"] = round(time.monotonic() - begin, 1)
         print(f"[benchmark: {stages['benchmark']:.1f} s, {time.monotonic() - started:.0f} s since the start]")
     if args.out_dir:
-        summary = {"ok": ok, "device": str(device), "lines": lines, "seconds": stages}
+        summary = {"ok": ok, "device": str(device), "lines": lines, "seconds": stages, "self_checks": made}
         (args.out_dir / "device_check.json").write_text(json.dumps(summary, indent=2))
     print(f"device check {'passed' if ok else 'FAILED'} in {time.monotonic() - started:.0f} s")
     sys.exit(0 if ok else 1)

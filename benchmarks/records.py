@@ -3,7 +3,9 @@
 
 A record says what ran where: the benchmark's name, the UTC time, the processor and its vector extensions (AMX
 included), torch's CPU capability and threads, the torch and transformers versions, the commit (with `+dirty` when
-the tree had changes), the command line, and the benchmark's own figures (any JSON value). The manual's tables and
+the tree had changes), everything else `disentangled env` reports (under "environment": versions, the compiled
+kernel, GPUs and tiles, switches, self-check verdicts, the path of each kind of call), the command line, and the
+benchmark's own figures (any JSON value). The manual's tables and
 figures are generated from these records (`python -m benchmarks.report`), never typed by hand.
 """
 
@@ -11,49 +13,29 @@ from __future__ import annotations
 
 import datetime
 import json
-import subprocess
 import sys
 from pathlib import Path
 
-import torch
-import transformers
-
-from .machine import processor
+from disentangled import environment
 
 RECORDS = Path(__file__).resolve().parent / "records"
+
+
+CHECKOUT = Path(__file__).resolve().parents[1]
 
 
 def commit() -> str:
     """The checkout's commit, `+dirty` when tracked files other than the records differ from it (a run appends to
     the records, which says nothing of the code measured); "unknown" outside a git checkout."""
-    top = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=top, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/records"],
-            cwd=top,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
+    return environment.commit(CHECKOUT)
 
 
 def machine_fields() -> dict:
-    """Where a record was measured: processor, extensions, CPU capability, threads and library versions."""
-    name, extensions = processor()
-    return {
-        "processor": name,
-        "extensions": extensions,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "commit": commit(),
-    }
+    """Where a record was measured: `disentangled env`'s facts (`environment.record_fields`): processor, extensions,
+    CPU capability, threads, library versions and commit at the top level, and everything else (the compiled kernel,
+    the GPUs and their tiles, the switches, the self-check's verdicts, the path of each kind of call) under
+    "environment"."""
+    return environment.record_fields(CHECKOUT)
 
 
 def append_record(

@@ -56,6 +56,7 @@ import transformers
 import disentangled
 from benchmarks import gpu_anchors, machine
 from benchmarks.records import RECORDS, append_record
+from disentangled import environment
 
 RESULTS = Path(__file__).parent / "results"
 V3_BASE = dict(
@@ -441,9 +442,10 @@ def ratios(times: list[dict], numerator: str, denominator: str) -> list[float]:
 
 
 def software_versions() -> dict:
-    """The versions a GPU record names: torch, its CUDA, Triton, transformers and the anchors (None where absent)."""
-    versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__}
-    versions["triton"] = gpu_anchors.version("triton")
+    """The versions a GPU record names: torch, its CUDA, Triton, transformers (`disentangled env`'s) and the anchors
+    (None where absent)."""
+    found = environment.versions()
+    versions = {name: found[name] for name in ("torch", "cuda", "transformers", "triton")}
     versions.update({name: gpu_anchors.version(name) for name in gpu_anchors.ANCHORS})
     return versions
 

@@ -8,11 +8,13 @@ The files are layered, each computing what the one below it computes (the tests 
    `flex_attention.py` (a compiled `score_mod` over the same tables);
 3. the CPU kernels, which sdpa calls: `cpu_inference.py` (inference by distance), `native.py` (the kernels of
    `position_bias.c`, compiled on first use) and `workspace.py` (their buffers);
-4. the GPU kernel, which sdpa calls on CUDA: `triton_attention.py`, and its tiles per GPU, `triton_tiles.py`.
+4. the GPU kernel, which sdpa calls on CUDA: `triton_attention.py`, its tiles per GPU (`triton_tiles.py`) and its
+   self-check on first use (`kernel_check.py`).
 
-Above them, `modeling_disentangled.py` holds the model, the encoder, the heads and the dispatch table
-(`ALL_ATTENTION_FUNCTIONS.get_interface`); beside them, `validation.py` checks every forward's inputs. Picture:
-docs/internals/architecture.md.
+Which of them serves a call is decided in one place, `dispatch.py`, which the model and sdpa ask on every call and
+which reads the switches. Above them, `modeling_disentangled.py` holds the model, the encoder, the heads and the
+dispatch table (`ALL_ATTENTION_FUNCTIONS.get_interface`); beside them, `validation.py` checks every forward's inputs.
+Picture: docs/internals/architecture.md.
 """
 
 from .modeling_disentangled import (

@@ -12,7 +12,7 @@ each block's bias instead, from T and U by bucket (one product per block and one
 pass that PyTorch's operators would take three for (a gather or transposing copy, a copy, an add); the far keys are
 then split off from KERNEL_SPLIT_LENGTH tokens on only. With 64 dimensions per head and no mask or a key mask, the
 compiled kernel runs the whole attention instead (`_attend_fused`: bfloat16 on AMX, float32 on AVX-512), the
-bias made inside its tiles and never written.
+bias made inside its tiles and never written. Which of the three serves a call is decided by `dispatch.decide`.
 
 In `modeling/`'s layering (`__init__.py`): layer 3, the CPU kernels' path, which sdpa calls.
 """
@@ -27,8 +27,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from .disentangled_attention import PositionScores, RelativePositions, _block_mask, _by_head
-from .native import as_key_tiles, attend, attend_available, position_bias, workspace_bytes
-from .native import available as kernel_available
+from .native import as_key_tiles, attend, kernel_columns, position_bias, workspace_bytes
 from .workspace import _scratch
 
 # The CPU flash kernel, which also returns the log-sum-exp (None on torch without it)
@@ -56,15 +55,10 @@ KERNEL_SPLIT_LENGTH = 4096
 # Bias elements per block with the kernel in bfloat16 (8 MiB): fewer, larger SDPA calls, which timed a little faster
 # at 4x512 and 1x2048 on a 2-core Xeon with AMX in a one-off A/B (float32 timed best at DISTANCE_BLOCK_ELEMENTS)
 KERNEL_BFLOAT16_BLOCK_ELEMENTS = 1 << 22
-USE_KERNEL = True  # False: the pure-PyTorch path everywhere (its tests, A/B timing)
-USE_FUSED = True  # False: no fused attention (`_attend_fused`) where it could run (its tests, A/B timing)
-# float32 runs the fused attention too (AVX-512 products), at every length: with the values packed per plane it
-# timed 1.18 / 1.33 times BERT at 1x4096 / 1x8192 against the bias kernel's 1.38 / 1.61 (far keys split off), one
-# process, 2 threads, 1 layer (before the packing, 1.42 against 1.39 at 1x4096)
-FUSED_FLOAT32 = True  # False: float32 takes the bias kernel and SDPA at every length (A/B timing)
-# The fused kernel's workspace, all threads together, at most this (U of one plane per thread, in float32: 150 MiB
-# for 32,768 tokens on 2 threads); beyond it, the bias by blocks.
-FUSED_WORKSPACE_BYTES = 1 << 30
+# Which of the three paths below serves a call is `dispatch.decide`'s (switches CPU_KERNEL, CPU_FUSED, FUSED_FLOAT32
+# there). float32 runs the fused attention too (AVX-512 products), at every length: with the values packed per plane
+# it timed 1.18 / 1.33 times BERT at 1x4096 / 1x8192 against the bias kernel's 1.38 / 1.61 (far keys split off), one
+# process, 2 threads, 1 layer (before the packing, 1.42 against 1.39 at 1x4096).
 
 
 def _round_up(columns: int) -> int:
@@ -95,8 +89,12 @@ def _attend_by_distance(
     mask: Tensor | None,
     scaling: float,
     block_elements: int | None = None,
+    path: str = "cpu-by-distance",
 ) -> Tensor:
     """CPU inference: the position terms read from tables by distance, so that a block's bias is a view, not a gather.
+
+    `path` is `dispatch.decide`'s: "cpu-by-distance" (PyTorch alone, as below), "cpu-bias-kernel" (each block's bias
+    by the compiled kernel, from the tables by bucket) or "cpu-fused" (the whole attention by the compiled kernel).
 
     For query rows [first, last) against keys [k0, k1), the distances d = i - j cover an interval of
     (rows + keys - 1) values, so each term is a product with the relative rows of those distances, and its bias
@@ -126,9 +124,9 @@ def _attend_by_distance(
     lowest = torch.finfo(query.dtype).min
     key_mask = mask is not None and mask.shape[-2] == 1
     near_low, near_high = positions.near
-    fused = _fused_runs(query, mask, positions)
-    kernel = _kernel_tables(positions, pos_key, pos_query, query, fused)  # None: T and U by distance, below
-    if kernel is not None and fused:  # the bias made inside the attention tile
+    # the kernel's tables by bucket; None: T and U by distance, below
+    kernel = _KernelTables(positions, pos_key, pos_query) if path != "cpu-by-distance" else None
+    if path == "cpu-fused":  # the bias made inside the attention tile
         context = _attend_fused(kernel, positions, query, key, value, mask if key_mask else None, scaling)
         return _uniform_where_padding(context, value, mask)
     if block_elements is None:
@@ -254,21 +252,6 @@ def _uniform_where_padding(context: Tensor, value: Tensor, mask: Tensor | None) 
     return context
 
 
-def _fused_runs(query: Tensor, mask: Tensor | None, positions: RelativePositions) -> bool:
-    """Whether `_attend_fused` takes this call: bfloat16 (with AMX) or float32 (with AVX-512, FUSED_FLOAT32), 64
-    dimensions per head, no mask or a key mask, the kernel built (`native.attend_available`), and its workspace
-    within FUSED_WORKSPACE_BYTES."""
-    if not USE_FUSED or query.dtype not in (torch.bfloat16, torch.float32) or query.shape[-1] != 64:
-        return False
-    if query.dtype == torch.float32 and not FUSED_FLOAT32:
-        return False
-    if mask is not None and mask.shape[-2] != 1:
-        return False
-    if not attend_available(query.dtype):
-        return False
-    return workspace_bytes(query.shape[-2], _round_up(positions.width)) <= FUSED_WORKSPACE_BYTES
-
-
 def _attend_fused(
     kernel: _KernelTables,
     positions: RelativePositions,
@@ -324,7 +307,7 @@ class _KernelTables:
             F.pad(t, (0, 0, 0, width - t.shape[1])) if t is not None else None for t in (pos_key, pos_query)
         )
         self.width = width
-        self.column, self.c2p_column = positions.kernel_columns
+        self.column, self.c2p_column = kernel_columns(positions)
 
     def _product(self, positions: RelativePositions, kind: str, rows: Tensor, relative: Tensor) -> Tensor:
         groups, heads, count, _ = rows.shape
@@ -351,23 +334,6 @@ class _KernelTables:
             p2c = p2c[:, :, keys.start - span.start : keys.stop - span.start]
         keep = keep[:, keys] if keep is not None else None
         return position_bias(out, c2p, p2c, self.column, self.c2p_column, keep, rows.start, keys.start)
-
-
-def _kernel_tables(
-    positions: RelativePositions, pos_key: Tensor | None, pos_query: Tensor | None, query: Tensor, fused: bool = False
-) -> _KernelTables | None:
-    """The kernel's tables where it runs this call (else None): float32 or bfloat16, one sequence's U within
-    KERNEL_TABLE_ELEMENTS (unless `fused`: the fused kernel makes U one plane at a time), the window of 16 columns
-    holds (`RelativePositions.kernel_columns`), and the kernel built (`native.available`). A mask of rows and keys is
-    applied after the kernel, a key mask by it."""
-    _, heads, length, _ = query.shape
-    if not USE_KERNEL or query.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    if not fused and heads * length * _round_up(positions.width) > KERNEL_TABLE_ELEMENTS:
-        return None
-    if not kernel_available() or positions.kernel_columns is None:
-        return None
-    return _KernelTables(positions, pos_key, pos_query)
 
 
 ADD_CHUNK_KEYS = 512  # keys per add of the c2p and p2c views (see `_add_by_key_chunks`)

@@ -41,7 +41,6 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -104,6 +103,8 @@ class RelativePositions:
     # threshold is fresh memory on every allocation, whose pages fault on first touch.
     # The encoder passes `kept_workspace(encoder)`, so that later forwards (and training steps) reuse them too.
     workspace: dict = field(default_factory=dict, repr=False, compare=False)
+    # What a backend derives from `column` for its kernels, made once for every layer (`workspace.per_forward`)
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -139,40 +140,6 @@ class RelativePositions:
     def width(self) -> int:
         return self.rows.stop - self.rows.start
 
-    @cached_property
-    def kernel_columns(self) -> tuple[Tensor, Tensor] | None:
-        """The int32 column vectors of the CPU bias kernel (`native.position_bias`), made once per forward rather than
-        per layer: the column of each distance d at d + L - 1, and c2p's column (the table against Kr in reverse row
-        order) of i - j at L - 1 - i + j. None where 16 consecutive distances read more than 16 consecutive columns,
-        which the kernel's tile loads need: true of clipped distances and of every released bucket setting (the log
-        buckets step by at most one column per unit of distance there), checked for any other."""
-        column = self.column
-        if column.numel() >= 16 and bool((column[15:] - column[:-15]).max() > 15):
-            return None
-        return self.int32_column, (self.width - 1) - self.int32_column.flip(0)
-
-    @cached_property
-    def column_runs(self) -> Tensor:
-        """[2, 2L] int32 prefix counts over the column vector, for the Triton kernel's table gradients (columns are
-        monotone in d, so distances that share a column are neighbours). Row 0 at d: how many distances in [0, d)
-        share their column with another; a tile whose distances [lo, hi] count none there writes each of its
-        gradient entries alone. Row 1 at d: how many times the column changes in (0, d]; a tile whose distances
-        count none reads one column (its last entry, past the distances, is never read)."""
-        column = self.column
-        changed = column[1:] != column[:-1]  # [2L - 2]
-        shared = torch.zeros_like(column, dtype=torch.bool)
-        shared[1:] |= ~changed
-        shared[:-1] |= ~changed
-        runs = torch.zeros(2, column.numel() + 1, dtype=torch.int32, device=column.device)
-        runs[0, 1:] = shared.cumsum(0)
-        runs[1, 1:-1] = changed.cumsum(0)
-        return runs
-
-    @cached_property
-    def int32_column(self) -> Tensor:
-        """`column` as int32, for the compiled kernels (`native.py`)."""
-        return self.column.to(torch.int32)
-
     def cut(self, length: int) -> RelativePositions:
         """The same tables read by a shorter input (one sequence of a packed batch)."""
         middle = self.length - 1
@@ -193,10 +160,6 @@ class RelativePositions:
     def dense(self, rows: slice = slice(None)) -> Tensor:
         """[len(rows), L] column of δ(i, j): the eager reference's index."""
         return self.column[self.distance(rows)]
-
-    def hankel(self, first: int, rows: int, columns: int) -> Tensor:
-        """index[a, b] = column[first + a + b], [rows, columns], a view (strides (1, 1)) of the column vector."""
-        return self.column.as_strided((rows, columns), (1, 1), self.column.storage_offset() + first)
 
 
 def position_table(content: Tensor, rows: Tensor | None) -> Tensor | None:

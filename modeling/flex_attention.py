@@ -21,7 +21,6 @@ except ImportError:  # pragma: no cover
 
 
 _compiled_flex = None
-FLEX_COMPILED = True  # False runs flex_attention's dense reference of the same score_mod (tests)
 
 
 def compiled_flex_attention():
@@ -62,13 +61,14 @@ def flex_disentangled(
     scaling: float,
     dropout: float = 0.0,
     position_scores: PositionScores | None = None,
-    compiled: bool | None = None,
+    compiled: bool = True,
     **kwargs,
 ) -> tuple[Tensor, None]:
     """FlexAttention whose `score_mod` reads the [B, H, L, W] tables: memory linear in L, no [L, L] tensor.
 
-    Takes no dropout (the caller falls back to sdpa when it is needed). Uncompiled, flex_attention runs
-    the same `score_mod` densely, which the tests use to check it cheaply.
+    Takes no dropout (the caller falls back to sdpa when it is needed). Uncompiled (`compiled=False`, the model's
+    choice where `dispatch.FLEX_COMPILED` is off), flex_attention runs the same `score_mod` densely, which the tests
+    use to check it cheaply.
     """
     if dropout > 0:
         raise ValueError("flex_disentangled takes no attention dropout")
@@ -97,7 +97,6 @@ def flex_disentangled(
             score = torch.where(allowed, score, masked)
         return score
 
-    compiled = FLEX_COMPILED if compiled is None else compiled
     attend = compiled_flex_attention() if compiled else _flex_attention
     blocks = full_block_mask(length, key.shape[-2], query.device) if compiled and FLEX_TILES else None
     context = attend(query, key, value, score_mod=score_mod, block_mask=blocks, scale=scaling)

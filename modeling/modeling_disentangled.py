@@ -18,6 +18,7 @@ In `modeling/`'s layering (`__init__.py`): the model above the attention layers,
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -51,10 +52,13 @@ from .disentangled_attention import (
     head_scaling,
     warn_once,
 )
-from .flex_attention import FLEX_AVAILABLE, flex_disentangled
+from .dispatch import call_facts, decide, switch_value
+from .flex_attention import flex_disentangled
+from .kernel_check import verdict as _verdict  # noqa: F401  (sdpa's self-check of the CUDA kernel; see above)
 from .native import available as _native_available  # noqa: F401  (see the note on cpu_inference above)
 from .sdpa_attention import dropout_keep_mask, sdpa_disentangled
 from .triton_attention import TRITON_AVAILABLE  # noqa: F401  (sdpa's CUDA kernel; see cpu_inference above)
+from .triton_tiles import TILES as _TILES  # noqa: F401  (the Triton kernel's tiles per GPU; see cpu_inference above)
 from .validation import (
     IGNORE_INDEX,
     input_shape,
@@ -257,23 +261,26 @@ class DisentangledSelfAttention(nn.Module):
         """The implementation asked for: the model's (`config._attn_implementation`)."""
         return self.config._attn_implementation or "eager"
 
-    def backend(self, output_attentions: bool, query: Tensor) -> str:
-        """The configured attention implementation, or the one that can serve this call (warned once)."""
+    def backend(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        position_scores: PositionScores | None,
+        output_attentions: bool = False,
+    ) -> tuple[str, bool]:
+        """The implementation that serves this call (`dispatch.decide`; the configured one, or sdpa or eager where it
+        cannot, warned once), and for flex_attention whether compiled."""
+        dropout = self.dropout_p if self.training else 0.0
         implementation = self.attn_implementation()
-        if output_attentions and implementation != "eager":
-            warn_once(f"{implementation} attention returns no probabilities; output_attentions=True runs eager")
-            return "eager"
-        if implementation == "flex_attention":
-            if not FLEX_AVAILABLE:
-                warn_once("flex_attention needs torch >= 2.5; running sdpa")
-                return "sdpa"
-            if self.training and self.dropout_p > 0:
-                warn_once("flex_attention takes no attention dropout; training with dropout runs sdpa")
-                return "sdpa"
-            if torch.is_grad_enabled() and query.device.type == "cpu":
-                warn_once("compiled flex_attention runs inference only on CPU; with gradients, running sdpa")
-                return "sdpa"
-        return implementation
+        call = call_facts(
+            query, key, value, attention_mask, position_scores, dropout, implementation, output_attentions
+        )
+        decision = decide(call)
+        if decision.implementation != implementation:
+            warn_once(decision.skipped[0][1])
+        return decision.implementation, decision.path == "flex"
 
     def forward(
         self,
@@ -294,9 +301,11 @@ class DisentangledSelfAttention(nn.Module):
             self.position_scores(query, key, rel_embeddings, rel_index) if rel_embeddings is not None else None
         )
 
-        implementation = self.backend(output_attentions, query)
+        implementation, compiled = self.backend(query, key, value, attention_mask, position_scores, output_attentions)
         dropout = self.dropout_p if self.training else 0.0
-        if implementation in DISENTANGLED_ATTENTION_FUNCTIONS:
+        if implementation == "flex_attention":
+            attend = functools.partial(flex_disentangled, compiled=compiled)
+        elif implementation in DISENTANGLED_ATTENTION_FUNCTIONS:
             attend = DISENTANGLED_ATTENTION_FUNCTIONS[implementation]
         else:  # an implementation registered with transformers: position terms and mask as one dense bias
             registered = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_disentangled)
@@ -490,7 +499,7 @@ class DisentangledEncoder(nn.Module):
             bucket_size=config.position_buckets,
             max_position=config.max_relative_distance,
             device=device,
-            workspace=kept_workspace(self) if not is_tracing() else None,
+            workspace=kept_workspace(self) if switch_value("KEEP_WORKSPACE") and not is_tracing() else None,
         )
 
     def forward(

@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .workspace import int32_column, per_forward
+
 SOURCE = Path(__file__).with_name("position_bias.c")
 
 
@@ -402,3 +404,19 @@ def attend(
 def workspace_bytes(keys: int, width: int) -> int:
     """Bytes of `attend`'s workspace for this many keys and table columns (one part per torch thread)."""
     return torch.get_num_threads() * _library().workspace_bytes(keys, width)
+
+
+def kernel_columns(positions) -> tuple[Tensor, Tensor] | None:
+    """The int32 column vectors of the bias kernels (`position_bias`, `attend`; `RelativePositions` `positions`), made
+    once per forward: the column of each distance d at d + L - 1, and c2p's column (the table against Kr in reverse
+    row order) of i - j at L - 1 - i + j. None where 16 consecutive distances read more than 16 consecutive columns,
+    which the kernel's tile loads need: true of clipped distances and of every released bucket setting (the log
+    buckets step by at most one column per unit of distance there), checked for any other."""
+    return per_forward(positions, "kernel columns", _kernel_columns)
+
+
+def _kernel_columns(positions) -> tuple[Tensor, Tensor] | None:
+    column = positions.column
+    if column.numel() >= 16 and bool((column[15:] - column[:-15]).max() > 15):
+        return None
+    return int32_column(positions), (positions.width - 1) - int32_column(positions).flip(0)

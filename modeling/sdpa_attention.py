@@ -7,14 +7,15 @@ block is a stride-(1, 1) view of the [2L - 1] column vector (a Hankel matrix) th
 training, where SDPA would run its math path with a bias gradient, runs `BlockedAttention`: the same blocks, each
 making its own c2p table (and each group of sequences its p2c table), with a backward that scatters dS into those
 tables and from there into q, k, Kr and Qr; the bias and the scatter by the compiled kernel where it runs
-(`native.hankel_bias`). On CUDA the fused Triton kernel (`triton_attention.py`) serves the calls it can take.
+(`native.hankel_bias`). On CUDA the fused Triton kernel (`triton_attention.py`) serves the calls it can take, after
+its self-check on first use (`kernel_check.py`). Which path serves a call is `dispatch.decide`'s, asked once per call;
+this file only runs what it says.
 
 In `modeling/`'s layering (`__init__.py`): layer 2, a PyTorch backend over layer 1's tables; it calls layers 3 and 4.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 from dataclasses import replace
@@ -33,21 +34,18 @@ from .disentangled_attention import (
     p2c_by_row,
     position_table,
 )
-from .native import available as kernel_available
-from .native import hankel_bias, hankel_bias_backward
-from .triton_attention import KernelLaunchError, kernel_fallback_reason, launch_failed, triton_disentangled
+from .dispatch import call_facts, decide, log_fallback
+from .kernel_check import check
+from .native import hankel_bias, hankel_bias_backward, kernel_columns
+from .triton_attention import KernelLaunchError, launch_failed, triton_disentangled
 from .validation import is_tracing
-from .workspace import _scratch
+from .workspace import _scratch, int32_column
 
 # Bias elements per query block on the CPU (8 MiB in float32): bounded; the fastest of 2^18 ... 2^22 at 8x128 to 1x4096
 SDPA_BLOCK_ELEMENTS = 1 << 21
 # On an accelerator the block is bounded too, but large enough that a batch takes a few kernel launches, not
 # hundreds (256 MiB in float32).
 SDPA_BLOCK_ELEMENTS_ACCELERATOR = 1 << 26
-# CPU training makes each block's bias, and sums dS into the tables' gradients, with the compiled kernel
-# (`native.hankel_bias`) where it runs (float32 or bfloat16, `native.available()`); else with gather / scatter_add
-USE_TRAINING_KERNEL = True
-logger = logging.getLogger(__name__)
 # While a model is exported to ONNX: the package's graph for ONNX Runtime (`disentangled.serving.onnx_attention`,
 # set when the package is imported; the Hub bundle alone writes the portable graph below)
 _onnx_attention = None
@@ -79,12 +77,26 @@ def sdpa_disentangled(
     Attention is invariant to the order of the keys, so the result is unchanged.
     """
     batch, heads, length, _ = query.shape
-    on_cpu = query.device.type == "cpu"
     if _onnx_attention is not None and position_scores is not None and torch.onnx.is_in_onnx_export():
         context = _onnx_attention(query, key, value, attention_mask, scaling, position_scores)
         if context is not None:  # the package's ONNX Runtime graph; None: the portable one below
             return context, None
-    if position_scores is None or is_tracing():  # one dense bias: a graph compile and export can follow
+    call = call_facts(query, key, value, attention_mask, position_scores, dropout)
+    decision = decide(call)  # the path, and why (`dispatch.py`)
+    if decision.path == "triton":  # CUDA: the fused Triton kernel (`triton_attention.py`)
+        try:
+            if decision.check == "pending":  # the first call of its kind on this GPU: checked before the kernel serves
+                check(decision.kind, query.device, triton_disentangled, blocked_attention)
+                decision = decide(call)
+            if decision.path == "triton":
+                return triton_disentangled(
+                    module, query, key, value, attention_mask, scaling, dropout, position_scores, blocks=decision.tiles
+                )
+        except KernelLaunchError as error:  # this GPU cannot run it: warned once, and not tried again
+            launch_failed(query, error)
+            decision = decide(call)
+    log_fallback(decision)
+    if decision.path == "sdpa-dense":  # one dense bias: a graph compile and export can follow
         bias = position_scores.bias().to(query.dtype) if position_scores is not None else None
         if attention_mask is not None:  # finfo.min, not -inf: a fully masked row is uniform, as in eager
             bias = torch.zeros((), dtype=query.dtype, device=query.device) if bias is None else bias
@@ -94,33 +106,54 @@ def sdpa_disentangled(
         if is_tracing():  # torch.export's decomposition of sdpa yields other strides than it traced
             context = context.clone(memory_format=torch.contiguous_format)
         return context, None
-
-    # CUDA: the fused Triton kernel (`triton_attention.py`) where it takes this call; else say why, and go on
-    reason = kernel_fallback_reason(query, key, value, attention_mask, position_scores, dropout=dropout)
-    if reason is None:
-        try:
-            return triton_disentangled(module, query, key, value, attention_mask, scaling, dropout, position_scores)
-        except KernelLaunchError as error:  # this GPU cannot run it: warned once, and not tried again
-            launch_failed(query, error)
-            reason = f"the Triton kernel failed to launch: {error}"
-    logger.debug("sdpa_disentangled runs without the Triton kernel: %s", reason)
-    tensors = (query, key, value, position_scores.pos_key, position_scores.pos_query)
-    inference = not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
-    if on_cpu and inference and dropout == 0 and position_scores.p2p is None:
-        context = _attend_by_distance(position_scores, query, key, value, attention_mask, scaling, block_elements)
-        return context, None
-    block_elements = block_elements or (SDPA_BLOCK_ELEMENTS if on_cpu else SDPA_BLOCK_ELEMENTS_ACCELERATOR)
-    key, value = key.flip(-2), value.flip(-2)  # j' = L - 1 - j
-    mask = attention_mask.flip(-1) if attention_mask is not None else None
-    positions = position_scores.positions
-    if not inference and on_cpu and position_scores.p2p is None:  # CPU training: the tables made block by block
-        pos_key, pos_query = position_scores.pos_key, position_scores.pos_query
-        context = BlockedAttention.apply(
-            query, key, value, pos_key, pos_query, mask, positions, scaling, dropout, block_elements
+    if decision.path in ("cpu-fused", "cpu-bias-kernel", "cpu-by-distance"):  # CPU inference (`cpu_inference.py`)
+        context = _attend_by_distance(
+            position_scores, query, key, value, attention_mask, scaling, block_elements, path=decision.path
         )
         return context, None
+    if decision.path in ("cpu-training-kernel", "cpu-training"):  # CPU training: the tables made block by block
+        block_elements = block_elements or SDPA_BLOCK_ELEMENTS
+        mask = attention_mask.flip(-1) if attention_mask is not None else None
+        pos_key, pos_query = position_scores.pos_key, position_scores.pos_query
+        context = BlockedAttention.apply(
+            query, key.flip(-2), value.flip(-2), pos_key, pos_query, mask, position_scores.positions, scaling,
+            dropout, block_elements, decision.path == "cpu-training-kernel",
+        )  # fmt: skip
+        return context, None
+    return blocked_attention(
+        module, query, key, value, attention_mask, scaling, dropout, position_scores, block_elements
+    )
+
+
+def blocked_attention(
+    module: torch.nn.Module | None,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float,
+    dropout: float,
+    position_scores: PositionScores,
+    block_elements: int | None = None,
+) -> tuple[Tensor, None]:
+    """sdpa's blocked path (accelerators, p2p): SDPA one block of query rows at a time, the keys reversed
+    (j' = L - 1 - j), so that a block's index is a stride-(1, 1) view (`_hankel`). Also the Triton kernel's
+    self-check's baseline."""
+    tensors = (query, key, value, position_scores.pos_key, position_scores.pos_query)
+    inference = not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+    if block_elements is None:
+        block_elements = SDPA_BLOCK_ELEMENTS if query.device.type == "cpu" else SDPA_BLOCK_ELEMENTS_ACCELERATOR
+    key, value = key.flip(-2), value.flip(-2)  # j' = L - 1 - j
+    mask = attention_mask.flip(-1) if attention_mask is not None else None
     context = _attend_in_blocks(position_scores, query, key, value, mask, scaling, dropout, block_elements, inference)
     return context, None
+
+
+def _hankel(positions: RelativePositions, first: int, rows: int, columns: int) -> Tensor:
+    """index[a, b] = column[first + a + b], [rows, columns], a view (strides (1, 1)) of the column vector: the column
+    of query row first + a and reversed key b (i - j + L - 1 = i + j')."""
+    column = positions.column
+    return column.as_strided((rows, columns), (1, 1), column.storage_offset() + first)
 
 
 def _tiles(query: Tensor, block_elements: int) -> list[tuple[slice, int, int]]:
@@ -157,7 +190,7 @@ def _block_bias(
     """
     keys = keys if keys is not None else slice(0, positions.length)
     width = keys.stop - keys.start
-    index = positions.hankel(first + keys.start, last - first, width).expand(*batch_heads, last - first, width)
+    index = _hankel(positions, first + keys.start, last - first, width).expand(*batch_heads, last - first, width)
     bias = c2p_rows.gather(-1, index) if c2p_rows is not None else None  # c2p: q_i . Kr[δ(i,j)]
     if p2c_rows is not None:  # p2c: k_j . Qr[δ(i,j)]
         p2c = p2c_rows[..., keys].gather(-2, index)
@@ -233,19 +266,21 @@ class BlockedAttention(torch.autograd.Function):
     forward gathered with, and from there into q and Kr (for each block) and k and Qr (for each group), so no
     other [B, H, L, L] tensor and no whole [B, H, L, W] table is made. Where the compiled kernel runs, it gathers
     each block's bias and sums dS into the tables' gradients in one pass each (`native.hankel_bias`,
-    `hankel_bias_backward`; USE_TRAINING_KERNEL). The workspace is kept between calls (on the forward's thread), so
+    `hankel_bias_backward`; `dispatch.TRAINING_KERNEL`). The workspace is kept between calls (on the forward's thread), so
     a step does not fault in fresh pages for tables that the last step also wrote.
     """
 
     @staticmethod
-    def forward(ctx, query, key, value, pos_key, pos_query, mask, positions, scaling, dropout, block_elements=None):
+    def forward(
+        ctx, query, key, value, pos_key, pos_query, mask, positions, scaling, dropout, block_elements=None, kernel=False
+    ):
         batch, heads, length, dim = query.shape
         tiles = _tiles(query, block_elements or SDPA_BLOCK_ELEMENTS)
         probs, keeps = [], []  # per block: P, and where dropout keeps it
         context = query.new_empty(batch, length, heads, dim)
         # in the query's dtype: under autocast the relative rows may be float32
         kr, qr = (rows.to(query.dtype) if rows is not None else None for rows in (pos_key, pos_query))
-        column, tiled = _kernel_column(positions, query)
+        column, tiled = _kernel_column(positions, kernel)
         group, p2c_keys = None, None
         with torch.autocast(query.device.type, enabled=False):  # the inputs already carry autocast's dtype
             scaled_query = query * scaling  # scaled before q . k, as in eager: q . k itself can overflow float16
@@ -281,7 +316,7 @@ class BlockedAttention(torch.autograd.Function):
                     attended.mul_(1 / (1 - dropout))
                 context[sequences, rows] = attended.transpose(1, 2)
         ctx.save_for_backward(query, key, value, kr, qr, context, *probs, *keeps)
-        ctx.tiles, ctx.positions, ctx.scaling, ctx.dropout = tiles, positions, scaling, dropout
+        ctx.tiles, ctx.positions, ctx.scaling, ctx.dropout, ctx.kernel = tiles, positions, scaling, dropout, kernel
         ctx.thread = threading.get_ident()
         ctx.relative_dtypes = tuple(rows.dtype if rows is not None else None for rows in (pos_key, pos_query))
         return context
@@ -298,7 +333,7 @@ class BlockedAttention(torch.autograd.Function):
         # contiguous (the rows are a permuted view of the projection): a product into it runs as one batched call
         grad_kr, grad_qr = (rows.new_zeros(rows.shape) if rows is not None else None for rows in (kr, qr))
         delta = (grad_context * context).sum(-1).transpose(1, 2)  # [B, H, L]: rowsum(dO * O) = rowsum(P * dP)
-        column, tiled = _kernel_column(positions, query)
+        column, tiled = _kernel_column(positions, ctx.kernel)
         group = grad_p2c = None
         first_of_group = True  # the kernel writes a group's p2c gradient at its first block, and adds to it after
         for (sequences, first, last), block_probs, block_keep in zip(tiles, probs, keeps):
@@ -329,7 +364,7 @@ class BlockedAttention(torch.autograd.Function):
                 hankel_bias_backward(grad_scores, grad_c2p, grad_p2c, column[first:], tiled, not first_of_group)
                 first_of_group = False
             else:
-                index = positions.hankel(first, last - first, positions.length).expand_as(grad_scores)
+                index = _hankel(positions, first, last - first, positions.length).expand_as(grad_scores)
                 if grad_c2p is not None:
                     grad_c2p.zero_().scatter_add_(-1, index, grad_scores)
                 if grad_p2c is not None:
@@ -341,7 +376,7 @@ class BlockedAttention(torch.autograd.Function):
         grad_pos_key, grad_pos_query = (
             grad.to(dtype) if grad is not None else None for grad, dtype in zip((grad_kr, grad_qr), ctx.relative_dtypes)
         )
-        return grad_query, grad_key, grad_value, grad_pos_key, grad_pos_query, None, None, None, None, None
+        return grad_query, grad_key, grad_value, grad_pos_key, grad_pos_query, None, None, None, None, None, None
 
 
 def _position_rows(
@@ -359,12 +394,12 @@ def _position_rows(
     return table.view(heads, groups, count, -1).transpose(0, 1)
 
 
-def _kernel_column(positions: RelativePositions, query: Tensor) -> tuple[Tensor | None, bool]:
-    """The int32 column vector for `hankel_bias`, where CPU training's kernel runs (else None), and whether its
-    tiles can run (`RelativePositions.kernel_columns`)."""
-    if not USE_TRAINING_KERNEL or query.dtype not in (torch.float32, torch.bfloat16) or not kernel_available():
+def _kernel_column(positions: RelativePositions, kernel: bool) -> tuple[Tensor | None, bool]:
+    """The int32 column vector for `hankel_bias` where CPU training's kernel serves the call (`kernel`, decided by
+    `dispatch.decide`; else None), and whether its tiles can run (`native.kernel_columns`)."""
+    if not kernel:
         return None, False
-    return positions.int32_column, positions.kernel_columns is not None
+    return int32_column(positions), kernel_columns(positions) is not None
 
 
 def _position_rows_backward(

@@ -5,7 +5,7 @@
 
 with the same tables the eager reference reads (`disentangled_attention.py`): c2p[b, h, i, r] = q_i . Kr[r] and
 p2c[b, h, j, r] = k_j . Qr[r] ([B, H, L, W], `position_table`, the scaling folded into Kr and Qr), read at column
-`column[i - j + L - 1]` (`RelativePositions.int32_column`, 2L - 1 entries), and p2p [H, 2L - 1] by distance.
+`column[i - j + L - 1]` (`workspace.int32_column`, 2L - 1 entries), and p2p [H, 2L - 1] by distance.
 
 Tiling. The forward runs one program per (block of BLOCK_M query rows, batch x head); it keeps q's tile, the
 running row max and row sum and the [BLOCK_M, D] float32 accumulator on chip, and walks the keys in blocks of
@@ -22,8 +22,8 @@ The backward is two kernels that each recompute their tiles' scores and P = exp(
 - by query blocks ("queries"): a program owns BLOCK_M queries, walks all key blocks, accumulates dq on chip, and adds
   dS into d_c2p[i, column[i - j]].
 Each table's gradient rows thus belong to one program (only p2p's, [H, 2L - 1], are shared across programs), and how
-a tile adds into them depends on its distances (`_add_to_table`, decided per tile from `RelativePositions.column_runs`,
-two prefix counts over the column vector): where none of the tile's distances shares its column with any other
+a tile adds into them depends on its distances (`_add_to_table`, decided per tile from `column_runs`,
+two prefix counts over the column vector made once per forward): where none of the tile's distances shares its column with any other
 distance (no clipping or bucketing reaches them: all of v1 within its reach, v2/v3 below half the buckets), each
 entry is written by this tile alone, so dS is stored, no atomics; where the whole tile reads one column (clipped
 distances far from the diagonal), dS is summed per owned row first, one atomic per row; only between the two (log
@@ -52,17 +52,18 @@ kernel's own work per score is then a column load and two gathers from cache-res
 in float32 and scaled after (eager scales q first so that float16 cannot overflow; float32 cannot). Float32 inputs
 use IEEE products (no TF32), matching torch's default for float32 matmuls.
 
-Where it runs (`kernel_fallback_reason`, asked by `sdpa_disentangled` on each call, which logs the reason at debug
-level when it falls back to its own blocked path): CUDA with compute capability 7.0 or more (8.0 for bfloat16; not
-ROCm), float16, bfloat16 or float32, head sizes 32, 64 and 128, self-attention with position terms (plain attention
-stays with torch's own fused kernels), no mask or a boolean key mask [B, 1, 1, L], where `tiles_for` has tiles for the
-GPU (a tuned profile, else `triton_tiles.TILES`). A pair mask [B, 1, L, L] (a 3-D attention_mask) falls back.
+Where it runs (decided by `dispatch.decide`, which `sdpa_disentangled` asks on each call and which says why in one
+debug line when it falls back to sdpa's own blocked path; DISENTANGLED_TRITON=0 turns it off): CUDA with compute
+capability 7.0 or more (8.0 for bfloat16; not ROCm), float16, bfloat16 or float32, head sizes 32, 64 and 128,
+self-attention with position terms (plain attention stays with torch's own fused kernels), no mask or a boolean key
+mask [B, 1, 1, L], where `tiles_for` has tiles for the GPU (a tuned profile, else `triton_tiles.TILES`). A pair mask [B, 1, L, L] (a 3-D attention_mask) falls back.
 Everything else is the kernel's: c2p, p2c and p2p in any combination, share_att_key or not (only Kr and Qr differ),
 clipped distances and log buckets (only `column` differs), packed sequences (the model calls once per sequence, each
 with its own cut column vector), dropout. A launch that fails all the same (an unlisted GPU: out of shared memory, a
 compiler error) raises KernelLaunchError before anything ran (in training the backward's kernels are compiled and
 loaded before the forward's launch); sdpa then serves the call and every later one of that GPU, dtype and head size,
-after one warning naming the GPU and the reason.
+after one warning naming the GPU and the reason. The first call of each kind on a GPU is checked against sdpa's
+path before the kernel serves it (`kernel_check.py`).
 
 Tests run the kernels in Triton's interpreter on the CPU, which must be on (TRITON_INTERPRET=1) when triton is
 imported: the kernels here, and triton.language's own jitted helpers, are decorated then. The interpreter multiplies
@@ -86,8 +87,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .disentangled_attention import PositionScores
-from .triton_tiles import precision, tiles_for
+from .disentangled_attention import PositionScores, RelativePositions
+from .triton_tiles import tiles_for
+from .workspace import int32_column, per_forward
 
 try:  # optional: the Hub bundle and CPU installs run without it (sdpa serves them)
     import triton
@@ -122,7 +124,6 @@ def _kernel(function):
 INTERPRETED = triton is not None and bool(triton.knobs.runtime.interpret)  # the kernels below are the interpreter's
 
 TRITON_AVAILABLE = triton is not None
-USE_TRITON = True  # sdpa_disentangled runs the kernel where `kernel_fallback_reason` allows; False turns it off
 HEAD_SIZES = (32, 64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_DROPOUT_LENGTH = 46_340  # dropout's Philox counter i * L + j is int32
@@ -140,60 +141,6 @@ def _device_facts(device: torch.device) -> tuple[str, tuple[int, int]]:
 @functools.cache
 def _device_facts_of(index: int) -> tuple[str, tuple[int, int]]:
     return torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)
-
-
-def kernel_fallback_reason(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    position_scores: PositionScores | None,
-    device_type: str | None = None,
-    triton_available: bool | None = None,
-    dropout: float = 0.0,
-    capability: tuple[int, int] | None = None,
-    gpu: str | None = None,
-) -> str | None:
-    """Why the Triton kernel cannot serve this call, or None when it can. Decides from facts only (shapes, dtypes,
-    device type, the GPU's compute capability), so that it runs on meta or CPU tensors with `device_type="cuda"` and
-    a `capability` as well as on a GPU's."""
-    device_type = device_type or query.device.type
-    available = TRITON_AVAILABLE if triton_available is None else triton_available
-    if not USE_TRITON:
-        return "the Triton kernel is switched off (triton_attention.USE_TRITON = False)"
-    if not available:
-        return "triton is not installed"
-    if device_type != "cuda":  # the interpreter is for tests only: never chosen for CPU tensors
-        return f"the Triton kernel runs on CUDA devices, not {device_type}"
-    if torch.version.hip is not None:
-        return "the Triton kernel is not tested on ROCm"
-    if capability is None and query.device.type == "cuda":
-        gpu, capability = _device_facts(query.device)
-    if capability is not None:  # Volta and Turing (7.x) have float16 tensor cores, and no bfloat16
-        if capability < (7, 0) or (query.dtype == torch.bfloat16 and capability < (8, 0)):
-            return f"the Triton kernel needs compute capability 7.0 (8.0 for bfloat16), not {capability}"
-    if position_scores is None:
-        return "no position terms: plain attention runs scaled_dot_product_attention's own fused kernels"
-    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in DTYPES:
-        return f"the Triton kernel takes float16, bfloat16 or float32 q, k, v, not {query.dtype}/{key.dtype}"
-    if query.shape[-1] not in HEAD_SIZES or key.shape[-1] != query.shape[-1] or value.shape[-1] != query.shape[-1]:
-        return f"the Triton kernel takes head sizes {HEAD_SIZES}, not {query.shape[-1]}"
-    if query.shape[-2] != key.shape[-2] or position_scores.positions.length != query.shape[-2]:
-        return "the Triton kernel takes self-attention with one length for queries, keys and positions"
-    if attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.shape[-2] != 1):
-        return "the Triton kernel takes a boolean key-padding mask [B, 1, 1, L], not a pair mask"
-    if dropout > 0 and query.shape[-2] > MAX_DROPOUT_LENGTH:
-        return f"the Triton kernel's dropout counts pairs in int32: at most {MAX_DROPOUT_LENGTH} tokens"
-    if capability is not None:
-        if tiles_for(capability, query.dtype, query.shape[-1], gpu) is None:
-            return (
-                f"no {precision(query.dtype)} tiles of head size {query.shape[-1]} fit compute capability "
-                f"{capability[0]}.{capability[1]} without spilling (triton_tiles.TILES)"
-            )
-        failed = FAILED_LAUNCHES.get((gpu, tuple(capability), query.dtype, query.shape[-1]))
-        if failed is not None:
-            return f"the Triton kernel failed to launch on this GPU before: {failed}"
-    return None
 
 
 class KernelLaunchError(RuntimeError):
@@ -242,8 +189,8 @@ def triton_disentangled(
     c2p = p2c = p2p = column = runs = None
     if position_scores is not None:
         c2p, p2c, p2p = position_scores.c2p, position_scores.p2c, position_scores.p2p  # [B, H, L, W], [H, 2L - 1]
-        column = position_scores.positions.int32_column  # [2L - 1]: the table column of i - j at i - j + L - 1
-        runs = position_scores.positions.column_runs  # [2, 2L]: which tiles share columns (table gradients)
+        column = int32_column(position_scores.positions)  # [2L - 1]: the table column of i - j at i - j + L - 1
+        runs = column_runs(position_scores.positions)  # [2, 2L]: which tiles share columns (table gradients)
     keep = attention_mask[:, 0, 0] if attention_mask is not None else None  # [B | 1, L]: True = attend
     if dropout > 0 and seed is None:
         seed = int(torch.randint(0, 2**31 - 1, ()))  # torch's CPU generator: no device sync, repeatable
@@ -254,6 +201,27 @@ def triton_disentangled(
         query, key, value, c2p, p2c, p2p, column, runs, keep, scaling, dropout, seed or 0, blocks
     )
     return context, None
+
+
+def column_runs(positions: RelativePositions) -> Tensor:
+    """[2, 2L] int32 prefix counts over the column vector, for the kernels' table gradients, made once per forward
+    (columns are monotone in d, so distances that share a column are neighbours). Row 0 at d: how many distances in
+    [0, d) share their column with another; a tile whose distances [lo, hi] count none there writes each of its
+    gradient entries alone. Row 1 at d: how many times the column changes in (0, d]; a tile whose distances count
+    none reads one column (its last entry, past the distances, is never read)."""
+    return per_forward(positions, "column runs", _column_runs)
+
+
+def _column_runs(positions: RelativePositions) -> Tensor:
+    column = positions.column
+    changed = column[1:] != column[:-1]  # [2L - 2]
+    shared = torch.zeros_like(column, dtype=torch.bool)
+    shared[1:] |= ~changed
+    shared[:-1] |= ~changed
+    runs = torch.zeros(2, column.numel() + 1, dtype=torch.int32, device=column.device)
+    runs[0, 1:] = shared.cumsum(0)
+    runs[1, 1:-1] = changed.cumsum(0)
+    return runs
 
 
 class Launch(NamedTuple):

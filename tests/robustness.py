@@ -13,7 +13,7 @@ from parity import inflate_weights
 
 import disentangled
 from disentangled import DisentangledConfig
-from disentangled.modeling import flex_attention as attention_backends
+from disentangled.modeling import dispatch
 from disentangled.modeling.modeling_disentangled import DISENTANGLED_ATTENTION_FUNCTIONS
 
 # Reproducible in CI: the same examples every run, no wall-clock deadline on a loaded 2-core machine.
@@ -53,15 +53,9 @@ def skip_unless_supported(backend: str, capability: str) -> None:
 @contextlib.contextmanager
 def dense_flex():
     """flex_attention's dense reference of the same score_mod instead of its kernel, which compiles per shape (about
-    a minute each on a CI CPU); a no-op where the backends module has no such switch."""
-    previous = getattr(attention_backends, "FLEX_COMPILED", None)
-    if previous is not None:
-        attention_backends.FLEX_COMPILED = False
-    try:
+    a minute each on a CI CPU)."""
+    with dispatch.switched(FLEX_COMPILED=False):
         yield
-    finally:
-        if previous is not None:
-            attention_backends.FLEX_COMPILED = previous
 
 
 @st.composite

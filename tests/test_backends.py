@@ -23,7 +23,7 @@ import disentangled
 from disentangled.modeling import (
     cpu_inference,
     disentangled_attention,
-    flex_attention,
+    dispatch,
     native,
     sdpa_attention,
     workspace,
@@ -74,9 +74,9 @@ def cpu_inference_path(request, monkeypatch) -> str:
     far parts run with it too) and with PyTorch's operators alone (U by bands of keys, the add of two views)."""
     if request.param == "kernel" and not native.available():
         pytest.skip(f"the kernel does not run here: {native.why_unavailable()}")
-    monkeypatch.setattr(cpu_inference, "USE_KERNEL", request.param == "kernel")
     monkeypatch.setattr(cpu_inference, "KERNEL_SPLIT_LENGTH", 0)
-    return request.param
+    with dispatch.switched(CPU_KERNEL=request.param == "kernel"):
+        yield request.param
 
 
 # The buffer that holds U (the p2c table) on each path
@@ -97,12 +97,11 @@ def test_sdpa_matches_eager_outputs_and_gradients(variant):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_flex_score_mod_matches_eager(monkeypatch, variant):
-    monkeypatch.setattr(flex_attention, "FLEX_COMPILED", False)
+def test_flex_score_mod_matches_eager(variant):
     reference = build("eager", **VARIANTS[variant])
     flex = with_implementation(reference, "flex_attention")
     batch = padded_batch(100, LENGTHS)
-    with torch.no_grad():
+    with torch.no_grad(), dispatch.switched(FLEX_COMPILED=False):
         expected = reference(**batch).last_hidden_state
         actual = flex(**batch).last_hidden_state
     assert max_abs_diff(actual, expected, batch["attention_mask"]) <= 1e-5 * max(1.0, expected.abs().max().item())
@@ -384,7 +383,7 @@ def test_far_parts_hand_the_flash_kernel_masks_it_reads_in_place(monkeypatch, pa
     assert max_abs_diff(actual, expected, batch["attention_mask"]) <= 1e-5 * max(1.0, expected.abs().max().item())
 
 
-def test_kept_workspace_is_kept_between_calls_and_stays_exact(monkeypatch, cpu_inference_path):
+def test_kept_workspace_is_kept_between_calls_and_stays_exact(cpu_inference_path):
     """CPU inference keeps its buffers (U's bands, T, the block's bias) between calls, per
     model and thread. Inputs of other lengths and paddings in any order, in and out of inference mode, give exactly
     what a call with fresh buffers gives, and `release_workspace` frees them."""
@@ -403,9 +402,8 @@ def test_kept_workspace_is_kept_between_calls_and_stays_exact(monkeypatch, cpu_i
             inference_mode = torch.inference_mode() if index % 3 == 1 else contextlib.nullcontext()
             with inference_mode:  # buffers made in inference mode are replaced outside it
                 actual = sdpa(**batch).last_hidden_state
-            monkeypatch.setattr(workspace, "KEEP_WORKSPACE", False)
-            expected = fresh(**batch).last_hidden_state
-            monkeypatch.setattr(workspace, "KEEP_WORKSPACE", True)
+            with dispatch.switched(KEEP_WORKSPACE=False):
+                expected = fresh(**batch).last_hidden_state
             assert torch.equal(actual, expected)
         assert max_abs_diff(actual, reference(**batch).last_hidden_state, batch["attention_mask"]) <= 1e-5 * max(
             1.0, expected.abs().max().item()
@@ -416,7 +414,7 @@ def test_kept_workspace_is_kept_between_calls_and_stays_exact(monkeypatch, cpu_i
         assert not workspace.kept_workspace(sdpa.encoder)
 
 
-def test_training_workspace_is_kept_between_steps_and_stays_exact(monkeypatch):
+def test_training_workspace_is_kept_between_steps_and_stays_exact():
     """CPU training makes a block's c2p table and a group's p2c table (and their gradients) in buffers kept between
     steps. Steps of other lengths and paddings, inference calls in between, two forwards before one backward and a
     backward on another thread all give exactly the gradients of a model with fresh buffers (which match eager's:
@@ -427,17 +425,16 @@ def test_training_workspace_is_kept_between_steps_and_stays_exact(monkeypatch):
     batches = [padded_batch(100, [150, 97]), padded_batch(100, [40, 23, 31]), padded_batch(100, [120, 150, 3])]
 
     def gradients(model, steps, keep, threaded=False):
-        monkeypatch.setattr(workspace, "KEEP_WORKSPACE", keep)
         model.zero_grad(set_to_none=True)
         torch.manual_seed(7)
-        losses = [model(**batch).last_hidden_state.square().mean() for batch in steps]
-        if threaded:  # the backward on a thread other than the forward's
-            worker = threading.Thread(target=lambda: sum(losses).backward())
-            worker.start()
-            worker.join()
-        else:
-            sum(losses).backward()
-        monkeypatch.setattr(workspace, "KEEP_WORKSPACE", True)
+        with dispatch.switched(KEEP_WORKSPACE=keep):
+            losses = [model(**batch).last_hidden_state.square().mean() for batch in steps]
+            if threaded:  # the backward on a thread other than the forward's
+                worker = threading.Thread(target=lambda: sum(losses).backward())
+                worker.start()
+                worker.join()
+            else:
+                sum(losses).backward()
         return {
             name: parameter.grad.clone() for name, parameter in model.named_parameters() if parameter.grad is not None
         }
@@ -503,7 +500,7 @@ def reference_attention(
     and the dense Hankel index: [B, L, H, D]."""
     length = query.shape[-2]
     c2p, p2c = query @ pos_key.mT, key @ pos_query.mT
-    index = positions.hankel(0, length, length)  # column of (i, j'), keys reversed
+    index = sdpa_attention._hankel(positions, 0, length, length)  # column of (i, j'), keys reversed
     c2p_bias = c2p.gather(-1, index.expand(*c2p.shape[:2], length, length))
     p2c_bias = p2c.mT.gather(-2, index.expand(*p2c.shape[:2], length, length))
     scores = (query * scaling) @ key.mT + c2p_bias + p2c_bias
@@ -522,16 +519,15 @@ def test_blocked_attention_gradients_with_dropout(block_elements):
 
     def attention(*inputs):
         torch.manual_seed(1)
-        return sdpa_attention.BlockedAttention.apply(*inputs, keep, positions, 0.3, 0.25, block_elements)
+        return sdpa_attention.BlockedAttention.apply(*inputs, keep, positions, 0.3, 0.25, block_elements, False)
 
     assert torch.autograd.gradcheck(attention, tuple(tensors), eps=1e-6, atol=1e-5)
 
 
 def training_kernel(monkeypatch, kernel: bool) -> list:
-    """CPU training with (or without) its compiled kernel; the list its calls are counted in."""
+    """The list the calls of CPU training's compiled kernel are counted in (skips where it does not build)."""
     if kernel and not native.available():
         pytest.skip(f"the kernel does not run here: {native.why_unavailable()}")
-    monkeypatch.setattr(sdpa_attention, "USE_TRAINING_KERNEL", kernel)
     calls = []
     for name in ("hankel_bias", "hankel_bias_backward"):
         function = getattr(sdpa_attention, name)
@@ -549,14 +545,14 @@ def test_blocked_attention_matches_the_dense_formula(monkeypatch, kernel, length
     block_elements = 2 * 3 * length * (7 if length == 20 else 20)
     for dropout in (0.0, 0.2):
         torch.manual_seed(3)
-        actual = sdpa_attention.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, block_elements)
+        actual = sdpa_attention.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, block_elements, kernel)
         dropout_keep = None
         if dropout:  # the same draws: one mask over the whole [B, H, L, L] when one block holds it all
             torch.manual_seed(3)
             dropout_keep = sdpa_attention.dropout_keep_mask((2, 3, length, length), dropout, "cpu")
             torch.manual_seed(3)
             whole = 2 * 3 * length * length
-            actual = sdpa_attention.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, whole)
+            actual = sdpa_attention.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, whole, kernel)
         expected = reference_attention(*tensors, keep, positions, 0.3, dropout_keep, dropout)
         weights = torch.randn_like(expected)
         actual_grads = torch.autograd.grad((actual * weights).sum(), tensors)
@@ -610,7 +606,7 @@ def test_blocked_attention_in_bfloat16_with_dropout(monkeypatch, kernel):
     results = []
     for inputs in (tensors, low):
         torch.manual_seed(5)
-        context = sdpa_attention.BlockedAttention.apply(*inputs, keep, positions, 0.3, 0.2, 2 * 3 * 20 * 7)
+        context = sdpa_attention.BlockedAttention.apply(*inputs, keep, positions, 0.3, 0.2, 2 * 3 * 20 * 7, kernel)
         grads = torch.autograd.grad(context.float().square().sum(), inputs)
         results.append((context, grads))
     (context, grads), (low_context, low_grads) = results

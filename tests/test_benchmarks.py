@@ -17,6 +17,7 @@ import torch
 
 from benchmarks import machine, run
 from benchmarks.records import read_records
+from disentangled import environment
 
 
 def summary_rows(printed: str, processes: int, case: str) -> dict[str, tuple[tuple[float, float, float], ...]]:
@@ -96,7 +97,7 @@ def test_processor_names_the_model_and_its_vector_extensions(monkeypatch, tmp_pa
     cpuinfo.write_text("model name\t: Example Xeon\nflags\t\t: fpu sse avx2 avx512f avx512bw amx_int8 vme\n")
     real_open = open
     monkeypatch.setattr(
-        machine,
+        environment,  # `disentangled env` reads the processor; benchmarks.machine prints it
         "open",
         lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path, *a, **k),
         raising=False,
@@ -141,13 +142,13 @@ def test_profile_command_with_shapes_prints_the_input_shapes_of_each_row(capsys)
     assert "[2, 48, 768]" in printed  # the hidden states entering a linear layer
 
 
-def test_device_check_passes_on_the_cpu_and_catches_a_wrong_term(monkeypatch, capsys):
+def test_device_check_passes_on_the_cpu_and_catches_a_wrong_term(monkeypatch, switch, capsys):
     """The prepared accelerator check, run on the CPU (flex through its dense reference): it passes, and a
     backend that drops the p2c term fails it."""
     from benchmarks import device_check
-    from disentangled.modeling import disentangled_attention, flex_attention, modeling_disentangled
+    from disentangled.modeling import disentangled_attention, modeling_disentangled
 
-    monkeypatch.setattr(flex_attention, "FLEX_COMPILED", False)
+    switch(FLEX_COMPILED=False)
     with pytest.raises(SystemExit) as passed:
         device_check.main(["--device", "cpu", "--no-benchmark"])
     printed = capsys.readouterr().out
@@ -172,13 +173,27 @@ def test_device_check_passes_on_the_cpu_and_catches_a_wrong_term(monkeypatch, ca
     assert failed.value.code == 1 and "FAIL" in capsys.readouterr().out
 
 
-def test_device_check_writes_its_lines_and_stage_times_under_the_out_dir(monkeypatch, tmp_path):
+def test_the_gpu_checks_refuse_a_machine_without_one(monkeypatch):
+    """device_check and self_check name the missing GPU (the tuner: tests/test_kernel_resources.py); self_check's
+    interpreter route needs TRITON_INTERPRET=1 from the start."""
+    from benchmarks import device_check, self_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="no CUDA GPU here"):
+        device_check.main(["--device", "cuda", "--no-benchmark"])
+    with pytest.raises(ValueError, match="CUDA GPU; --device cuda has none here"):
+        self_check.main(["--device", "cuda"])
+    if not self_check.triton_attention.INTERPRETED:
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+            self_check.main(["--device", "cpu", "--interpret"])
+
+
+def test_device_check_writes_its_lines_and_stage_times_under_the_out_dir(switch, tmp_path):
     """--out-dir (a device run's $OUT) receives the check's lines and each stage's seconds; the anchors, absent or off
     CUDA, are reported with the reason and do not fail the check."""
     from benchmarks import device_check
-    from disentangled.modeling import flex_attention
 
-    monkeypatch.setattr(flex_attention, "FLEX_COMPILED", False)
+    switch(FLEX_COMPILED=False)
     with pytest.raises(SystemExit) as passed:
         device_check.main(["--device", "cpu", "--no-benchmark", "--out-dir", str(tmp_path)])
     summary = json.loads((tmp_path / "device_check.json").read_text())
@@ -467,9 +482,9 @@ def test_cpu_inference_variants_run_and_restore_the_module_constants(capsys):
         "ADD_CHUNK_KEYS",
         "BAND_TABLE_KEYS",
         "PRODUCT_COLUMNS_MULTIPLE",
-        "USE_KERNEL",
+        "CPU_KERNEL",
         "KERNEL_SPLIT_LENGTH",
-        "USE_FUSED",
+        "CPU_FUSED",
         "FUSED_FLOAT32",
         "_attend_by_distance",
     )

@@ -89,13 +89,13 @@ def build(**overrides) -> disentangled.DisentangledModel:
 @pytest.mark.parametrize("path", ["kernel", "pytorch"])
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_bfloat16_sdpa_inference_within_twice_eagers_error(monkeypatch, variant, layout, path):
+def test_bfloat16_sdpa_inference_within_twice_eagers_error(monkeypatch, switch, variant, layout, path):
     """A model cast to bfloat16, long enough that blocks have keys beyond the reach (v3), several blocks and bands:
     sdpa's error against eager in float32 is at most twice eager's own bfloat16 error, padded and packed, with the
     compiled kernel making the bias (blocks of 16 rows and more: its 16 x 16 tiles) and without it."""
     if path == "kernel" and not native.available():
         pytest.skip(f"the kernel does not run here: {native.why_unavailable()}")
-    monkeypatch.setattr(cpu_inference, "USE_KERNEL", path == "kernel")
+    switch(CPU_KERNEL=path == "kernel")
     monkeypatch.setattr(cpu_inference, "DISTANCE_BLOCK_ELEMENTS", 4 * 150 * 24)  # blocks of a few rows
     monkeypatch.setattr(cpu_inference, "DISTANCE_MIN_ROWS", 16)
     monkeypatch.setattr(cpu_inference, "BAND_TABLE_KEYS", 16)

@@ -18,7 +18,7 @@ import torch
 from parity import inflate_weights, max_abs_diff, packed_inputs, padded_batch
 
 import disentangled
-from disentangled.modeling import cpu_inference, native
+from disentangled.modeling import cpu_inference, dispatch, native
 from disentangled.modeling.disentangled_attention import RelativePositions
 
 needs_amx = pytest.mark.skipif(
@@ -85,7 +85,7 @@ def fused(positions, query, key, value, pos_key, pos_query, keep, keys: slice):
 
     out = torch.full((query.shape[0], query.shape[2], query.shape[1], 64), float("nan"), dtype=query.dtype)
     workspace = torch.empty(native.workspace_bytes(keys.stop - keys.start, width), dtype=torch.uint8)
-    column, c2p_column = positions.kernel_columns
+    column, c2p_column = native.kernel_columns(positions)
     native.attend(
         out, query, key, value, tiles(pos_key, True), tiles(pos_query, False), column, c2p_column,
         keep, keys, SCALE, workspace,
@@ -255,8 +255,8 @@ def test_model_in_bfloat16_within_twice_eagers_error(monkeypatch, variant):
         own = low_eager(**batch).last_hidden_state.float()
         actual = low_sdpa(**batch).last_hidden_state.float()
         assert calls  # the fused kernel ran
-        monkeypatch.setattr(cpu_inference, "USE_FUSED", False)
-        unfused = low_sdpa(**batch).last_hidden_state.float()
+        with dispatch.switched(CPU_FUSED=False):
+            unfused = low_sdpa(**batch).last_hidden_state.float()
     assert torch.isfinite(actual).all()
     bound = 2 * max_abs_diff(own, expected, real) + 1e-3
     assert max_abs_diff(actual, expected, real) <= bound
@@ -294,8 +294,8 @@ def test_model_in_float32_matches_eager(monkeypatch, variant, layout):
 
         actual = ours()
         assert calls
-        monkeypatch.setattr(cpu_inference, "FUSED_FLOAT32", False)
-        unfused = ours()
+        with dispatch.switched(FUSED_FLOAT32=False):
+            unfused = ours()
     tolerance = 1e-5 * max(1.0, expected.abs().max().item())
     assert max_abs_diff(actual, expected[real]) <= tolerance
     assert max_abs_diff(actual, unfused) <= tolerance
@@ -307,7 +307,7 @@ CASES = ["float16", "float32-turned-off", "head-size-32", "mask-of-pairs", "no-a
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_where_the_fused_kernel_does_not_run_the_others_do(monkeypatch, case):
+def test_where_the_fused_kernel_does_not_run_the_others_do(monkeypatch, switch, case):
     """float16, float32 with FUSED_FLOAT32 off, heads of another size, a [B, L, L] mask of query-key
     pairs, bfloat16 on a processor without AMX, a workspace beyond FUSED_WORKSPACE_BYTES and the p2p term take the
     other paths; the output still matches eager."""
@@ -317,11 +317,11 @@ def test_where_the_fused_kernel_does_not_run_the_others_do(monkeypatch, case):
     eager, sdpa = copy.deepcopy(reference).to(dtype), copy.deepcopy(reference).to(dtype)
     sdpa.set_attn_implementation("sdpa")
     if case == "float32-turned-off":
-        monkeypatch.setattr(cpu_inference, "FUSED_FLOAT32", False)
+        switch(FUSED_FLOAT32=False)
     if case == "no-amx":
-        monkeypatch.setattr(cpu_inference, "attend_available", lambda dtype: dtype != torch.bfloat16)
+        monkeypatch.setattr(dispatch, "native_attend", lambda dtype: dtype != torch.bfloat16)
     if case == "workspace":
-        monkeypatch.setattr(cpu_inference, "FUSED_WORKSPACE_BYTES", 1024)
+        monkeypatch.setattr(dispatch, "FUSED_WORKSPACE_BYTES", 1024)
     calls = []
     monkeypatch.setattr(cpu_inference, "attend", lambda *args: calls.append(1))
     batch = padded_batch(100, [150, 97])

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from benchmarks import kernel_resources  # noqa: E402
 from benchmarks.records import read_records  # noqa: E402
-from disentangled.modeling import triton_attention, triton_tiles  # noqa: E402
+from disentangled.modeling import dispatch, triton_tiles  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # Triton 3.8 beside the installed one (.ci/run makes this environment: a venv over the system's packages)
@@ -84,9 +84,8 @@ def assert_fit(rows: list[dict]) -> None:
         if row["falls_back"]:  # only float32 may fall back, and the dispatcher must then say so
             assert row["dtype"] == "float32", row
             capability = kernel_resources.TARGETS[row["target"]]
-            assert "fit compute capability" in triton_attention.kernel_fallback_reason(
-                *_facts(row), device_type="cuda", triton_available=True, capability=capability
-            )
+            decision = dispatch.decide(_facts(row, capability))
+            assert decision.path == "sdpa-blocked" and "fit compute capability" in decision.describe()
         else:
             assert row["registers"] <= 255 and row["shared"] > 0, row
 
@@ -231,13 +230,10 @@ def _recording_into(folder: Path):
     return append
 
 
-def _facts(row: dict) -> tuple:
-    from disentangled.modeling.disentangled_attention import PositionScores, RelativePositions
-
+def _facts(row: dict, capability: tuple[int, int]):
+    """A CUDA call of the row's kind on its GPU, as the dispatcher sees it."""
     dtype = kernel_resources.DTYPES[row["dtype"]]
-    query = torch.empty(1, 2, 16, row["head_size"], dtype=dtype, device="meta")
-    positions = RelativePositions.build(16, 8, 8, 64, "cpu")
-    return query, query, query, None, PositionScores(query, query, None, None, None, positions)
+    return dispatch.Call(device="cuda", dtype=dtype, head_size=row["head_size"], gpu=row["target"], capability=capability)
 
 
 def test_tuner_refuses_without_a_gpu():

@@ -96,7 +96,8 @@ def test_the_package_root_holds_the_public_surface_and_one_folder_per_job():
     """src/disentangled/ reads as the list of jobs: the public surface at the top, each job a subpackage that JOBS
     names and pyproject installs (a folder missing there is missing from the wheel)."""
     root = PACKAGES["disentangled"]
-    assert {path.stem for path in root.glob("*.py")} == {"__init__", "__main__", "cli", "registration", "qa"}
+    surface = {"__init__", "__main__", "cli", "registration", "qa", "environment"}  # environment: `disentangled env`
+    assert {path.stem for path in root.glob("*.py")} == surface
     folders = {path.parent.name for path in root.glob("*/__init__.py")}
     assert folders == set(JOBS)
     packages = (REPO / "pyproject.toml").read_text().split("packages = [", 1)[1].split("]", 1)[0]  # tomllib: 3.11+

@@ -17,8 +17,9 @@ import torch
 from parity import inflate_weights, max_abs_diff, padded_batch
 
 import disentangled
-from disentangled.modeling import cpu_inference, native
+from disentangled.modeling import cpu_inference, dispatch, native, sdpa_attention
 from disentangled.modeling.disentangled_attention import RelativePositions
+from disentangled.modeling.workspace import int32_column
 
 needs_kernel = pytest.mark.skipif(
     not native.available(), reason=f"the kernel does not run here: {native.why_unavailable()}"
@@ -72,7 +73,7 @@ def kernel_bias(positions, c2p, p2c, keep, rows: slice, keys: slice, dtype):
         *(c2p if c2p is not None else p2c).shape[:2], rows.stop - rows.start, keys.stop - keys.start, dtype=dtype
     )
     p2c_keys = p2c[:, :, keys] if p2c is not None else None
-    return native.position_bias(out, reversed_c2p, p2c_keys, *positions.kernel_columns, keep, rows.start, keys.start)
+    return native.position_bias(out, reversed_c2p, p2c_keys, *native.kernel_columns(positions), keep, rows.start, keys.start)
 
 
 @needs_kernel
@@ -177,8 +178,8 @@ def test_model_with_the_kernel_matches_eager_and_the_pytorch_path(monkeypatch, v
     with torch.no_grad():
         expected = reference(**batch).last_hidden_state
         actual = sdpa(**batch).last_hidden_state
-        monkeypatch.setattr(cpu_inference, "USE_KERNEL", False)
-        pytorch = sdpa(**batch).last_hidden_state
+        with dispatch.switched(CPU_KERNEL=False):
+            pytorch = sdpa(**batch).last_hidden_state
     assert used  # the kernel made the bias
     tolerance = 1e-5 * max(1.0, expected.abs().max().item())
     assert max_abs_diff(actual, expected, batch["attention_mask"]) <= tolerance
@@ -191,7 +192,7 @@ def test_buckets_that_step_by_two_columns_take_the_pytorch_path(monkeypatch):
     16 columns does not hold, so it is not used, and the output still matches eager."""
     reference = model(position_buckets=256, max_relative_positions=300)
     positions = reference.encoder.get_rel_index(300, "cpu")
-    assert positions.kernel_columns is None
+    assert native.kernel_columns(positions) is None
     sdpa = copy.deepcopy(reference)
     sdpa.set_attn_implementation("sdpa")
     monkeypatch.setattr(cpu_inference, "position_bias", lambda *args: pytest.fail("the kernel ran"))
@@ -225,7 +226,8 @@ def hankel_reference(positions, c2p, p2c, first, rows, grad=None):
     """The formula with PyTorch's gather and scatter_add along the Hankel index column[first + a + b], in float32:
     the bias, or, given dS, the two tables' gradients."""
     length = positions.length
-    index = positions.hankel(first, rows, length).expand(*(c2p if c2p is not None else p2c).shape[:2], rows, length)
+    index = sdpa_attention._hankel(positions, first, rows, length)
+    index = index.expand(*(c2p if c2p is not None else p2c).shape[:2], rows, length)
     if grad is None:
         bias = torch.zeros(index.shape)
         if c2p is not None:
@@ -252,11 +254,11 @@ def test_training_kernels_match_gather_and_scatter_add(setting, dtype, terms):
         positions, c2p, p2c = hankel_tables(setting, dtype, rows)
         c2p = c2p if terms in ("both", "c2p") else None
         p2c = p2c if terms in ("both", "p2c") else None
-        column = positions.int32_column[first:]
+        column = int32_column(positions)[first:]
         grad = torch.randn(2, 3, rows, length, generator=torch.Generator().manual_seed(1)).to(dtype)
         expected = hankel_reference(positions, c2p, p2c, first, rows)
         want_c2p, want_p2c = hankel_reference(positions, c2p, p2c, first, rows, grad)
-        tilings = [False, True] if positions.kernel_columns is not None else [False]
+        tilings = [False, True] if native.kernel_columns(positions) is not None else [False]
         for tiled in tilings:
             out = torch.empty(2, 3, rows, length, dtype=dtype)
             assert torch.equal(native.hankel_bias(out, c2p, p2c, column, tiled), expected.to(dtype)), (first, tiled)
@@ -266,7 +268,7 @@ def test_training_kernels_match_gather_and_scatter_add(setting, dtype, terms):
             native.hankel_bias_backward(grad, got_c2p, got_p2c, column, tiled, add_p2c=False)
             if got_p2c is not None:  # a second block of the group adds to p2c's gradient
                 native.hankel_bias_backward(grad, None, got_p2c, column, tiled, add_p2c=True)
-            index = positions.hankel(first, rows, length).expand_as(grad)
+            index = sdpa_attention._hankel(positions, first, rows, length).expand_as(grad)
             for got, want, dim, calls in [(got_c2p, want_c2p, -1, 1), (got_p2c, want_p2c, -2, 2)]:
                 if got is None:
                     continue
@@ -292,7 +294,7 @@ def test_training_kernel_rejects_wrong_inputs():
     """Bad arguments are a ValueError naming the problem, before the kernel reads anything."""
     positions, c2p, p2c = hankel_tables("small-buckets", torch.float32, 16)
     out = torch.empty(2, 3, 16, positions.length)
-    column = positions.int32_column
+    column = int32_column(positions)
     with pytest.raises(ValueError, match="int32"):
         native.hankel_bias(out, c2p, p2c, positions.column, True)
     with pytest.raises(ValueError, match="dtype"):
@@ -316,8 +318,6 @@ def test_model_training_with_the_kernel_matches_eager_and_the_pytorch_path(monke
     over several blocks) with the kernel: float32 gradients against eager to 1e-4 and against gather / scatter_add
     to 1e-5; bfloat16 (the model cast) within twice the PyTorch path's own error against float32. "steps-by-two"
     runs the kernel element by element (its columns do not fit the tiles)."""
-    from disentangled.modeling import sdpa_attention
-
     overrides = {
         "v3": {},
         "c2p-only": dict(pos_att_type="c2p"),
@@ -336,15 +336,15 @@ def test_model_training_with_the_kernel_matches_eager_and_the_pytorch_path(monke
     expected = parameter_gradients(reference, batch)
     actual = parameter_gradients(sdpa, batch)
     assert calls and all(tiled == (variant != "steps-by-two") for tiled in calls)
-    monkeypatch.setattr(sdpa_attention, "USE_TRAINING_KERNEL", False)
-    pytorch = parameter_gradients(sdpa, batch)
+    with dispatch.switched(TRAINING_KERNEL=False):
+        pytorch = parameter_gradients(sdpa, batch)
     for name, want in expected.items():  # (a gradient that is 0 in exact arithmetic is ~1e-10 here: the floor)
         scale = max(want.abs().max().item(), 1e-5)
         assert max_abs_diff(actual[name], want) <= 1e-4 * scale, name
         assert max_abs_diff(actual[name], pytorch[name]) <= 1e-5 * scale, name
     low = copy.deepcopy(sdpa).to(torch.bfloat16)
-    low_pytorch = parameter_gradients(low, batch)
-    monkeypatch.setattr(sdpa_attention, "USE_TRAINING_KERNEL", True)
+    with dispatch.switched(TRAINING_KERNEL=False):
+        low_pytorch = parameter_gradients(low, batch)
     low_kernel = parameter_gradients(low, batch)
     for name, want in expected.items():
         own = max_abs_diff(low_pytorch[name].float(), want)

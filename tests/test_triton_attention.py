@@ -13,6 +13,7 @@ tiles.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -29,7 +30,7 @@ from parity import inflate_weights, max_abs_diff, padded_batch
 pytest.importorskip("triton")
 
 import disentangled  # noqa: E402
-from disentangled.modeling import sdpa_attention, triton_attention, triton_tiles  # noqa: E402
+from disentangled.modeling import dispatch, kernel_check, sdpa_attention, triton_attention, triton_tiles  # noqa: E402
 from disentangled.modeling.disentangled_attention import (  # noqa: E402
     PositionScores,
     RelativePositions,
@@ -114,6 +115,14 @@ class Case:
         pos_key = self.pos_key if "c2p" in self.terms else None
         pos_query = self.pos_query if "p2c" in self.terms else None
         return PositionScores(query, key, pos_key, pos_query, p2p, self.positions)
+
+    def run_forward(self, attend, **kwargs) -> torch.Tensor:
+        """The context [B, L, H, D] alone (no gradients asked)."""
+        query, key, value = (t.transpose(1, 2) for t in (self.q, self.k, self.v))
+        context, _ = attend(
+            None, query, key, value, self.mask, self.scaling, position_scores=self.position_scores(), **kwargs
+        )
+        return context
 
     def run(self, attend, **kwargs) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """The context [B, L, H, D] and the gradients of <context, grad_output> for each leaf."""
@@ -260,47 +269,60 @@ def test_packed_sequences_through_cut():
     assert_matches(case, case.run(per_sequence(eager_disentangled)), case.run(per_sequence(kernel())))
 
 
-def facts(dim=64, dtype=torch.bfloat16, length=40, mask="keys", terms=True):
-    """q, k, v, mask and position scores on the meta device: shapes and dtypes, no data, no GPU."""
-    query = torch.empty(2, 4, length, dim, dtype=dtype, device="meta")
-    masks = {
-        None: None,
-        "keys": torch.empty(2, 1, 1, length, dtype=torch.bool, device="meta"),
-        "pairs": torch.empty(2, 1, length, length, dtype=torch.bool, device="meta"),
-    }
-    positions = RelativePositions.build(length, 8, 8, 64, "cpu")
-    scores = PositionScores(query, query, None, None, None, positions) if terms else None
-    return query, query, query, masks[mask], scores
+def cuda_call(**facts) -> dispatch.Call:
+    """A CUDA call's facts as the dispatcher takes them (an H100 unless told), with position terms and a key mask."""
+    return dispatch.Call(**{"device": "cuda", "dtype": torch.bfloat16, "length": 40, "gpu": "NVIDIA H100",
+                            "capability": (9, 0), **facts})  # fmt: skip
 
 
-def test_dispatch_takes_the_kernel_on_cuda_and_names_each_fallback(monkeypatch):
-    reason = triton_attention.kernel_fallback_reason
-    cuda = dict(device_type="cuda", triton_available=True)
+def test_dispatch_takes_the_kernel_on_cuda_and_names_each_fallback(monkeypatch, switch, verdicts):
+    def path(**facts):
+        return dispatch.decide(cuda_call(**facts))
+
     for dim in (32, 64, 128):
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
-            for mask in (None, "keys"):
-                assert reason(*facts(dim=dim, dtype=dtype, mask=mask), **cuda) is None, (dim, dtype, mask)
-    assert "CUDA" in reason(*facts(), device_type="cpu", triton_available=True)
-    assert "CUDA" in reason(*facts(), triton_available=True)  # meta tensors are no CUDA tensors
-    assert "not installed" in reason(*facts(), device_type="cuda", triton_available=False)
-    assert "pair mask" in reason(*facts(mask="pairs"), **cuda)
-    assert "head sizes" in reason(*facts(dim=48), **cuda)
-    assert "float64" in reason(*facts(dtype=torch.float64), **cuda)
-    assert "no position terms" in reason(*facts(terms=False), **cuda)
+            for mask in ("none", "keys"):
+                decision = path(head_size=dim, dtype=dtype, mask=mask)
+                tiles = triton_tiles.tiles_for((9, 0), dtype, dim, "NVIDIA H100")
+                if tiles is None:  # float32 at head size 128: no tiles fit (TILES says None)
+                    assert decision.path == "sdpa-blocked" and "without spilling" in decision.describe()
+                    continue
+                assert decision.path == "triton" and not decision.skipped, (dim, dtype, mask, decision)
+                assert decision.tiles == tiles and decision.check == "pending"
+
+    def fallback(**facts) -> str:
+        decision = path(**facts)
+        assert decision.path == "sdpa-blocked" and decision.skipped[-1][0] == "triton", decision
+        return decision.skipped[-1][1]
+
+    assert "CUDA" in fallback(device="mps")
+    assert "pair mask" in fallback(mask="pairs")
+    assert "head sizes" in fallback(head_size=48)
+    assert "float16, bfloat16 or float32" in fallback(dtype=torch.float64)
+    assert "one dtype" in fallback(uniform=False)
+    assert path(terms=()).path == "sdpa-dense"  # plain attention: torch's own fused kernels
+    assert path(tracing=True).path == "sdpa-dense"
     for capability in triton_tiles.TILES:  # every GPU of the table takes every precision it has tiles for
         for dim in (32, 64, 128):
             for dtype in (torch.float16, torch.float32) + ((torch.bfloat16,) if capability >= (8, 0) else ()):
                 tiles = triton_tiles.tiles_for(capability, dtype, dim)
-                said = reason(*facts(dim=dim, dtype=dtype), capability=capability, **cuda)
-                assert (said is None) == (tiles is not None), (capability, dim, dtype, said)
-    assert "(8.0 for bfloat16)" in reason(*facts(), capability=(7, 5), **cuda)
-    assert "int32" in reason(*facts(length=50_000), dropout=0.1, **cuda)
-    assert reason(*facts(length=50_000), **cuda) is None  # without dropout any length
+                decision = path(head_size=dim, dtype=dtype, capability=capability, gpu=None)
+                assert (decision.path == "triton") == (tiles is not None), (capability, dim, dtype, decision)
+    assert "(8.0 for bfloat16)" in fallback(capability=(7, 5))
+    assert "int32" in fallback(length=50_000, dropout=0.1)
+    assert path(length=50_000).path == "triton"  # without dropout any length
     monkeypatch.setitem(triton_attention.FAILED_LAUNCHES, ("A GPU", (9, 0), torch.bfloat16, 64), "out of resource")
-    assert "failed to launch" in reason(*facts(), capability=(9, 0), gpu="A GPU", **cuda)
-    assert reason(*facts(), capability=(9, 0), gpu="Another GPU", **cuda) is None
-    monkeypatch.setattr(triton_attention, "USE_TRITON", False)
-    assert "USE_TRITON" in reason(*facts(), **cuda)
+    assert "failed to launch" in fallback(gpu="A GPU")
+    assert path(gpu="Another GPU").path == "triton"
+    monkeypatch.setattr(dispatch, "TRITON_AVAILABLE", False)
+    assert "not installed" in fallback()
+    monkeypatch.setattr(dispatch, "TRITON_AVAILABLE", True)
+    switch(TRITON="0")
+    assert "DISENTANGLED_TRITON=0" in fallback()
+    switch(TRITON="1")
+    assert path().path == "triton" and path().check is None  # on, without the self-check
+    with pytest.raises(ValueError, match="DISENTANGLED_TRITON .* 'yes'.* 0 .* 1 .* check"):
+        switch(TRITON="yes")
 
 
 def test_tiles_per_gpu_from_the_table_and_a_tuned_profile(tmp_path, monkeypatch):
@@ -331,12 +353,11 @@ def test_tiles_per_gpu_from_the_table_and_a_tuned_profile(tmp_path, monkeypatch)
     assert triton_tiles.load_profiles(tmp_path / "absent.json") == []
 
 
-def test_failed_launch_falls_back_once_with_a_warning(monkeypatch, caplog):
+def test_failed_launch_falls_back_once_with_a_warning(monkeypatch, switch, caplog):
     """A GPU that cannot launch the kernel (simulated: the launch raises Triton's OutOfResources): sdpa's own path
     serves the call with the same result, one warning names the GPU and the reason, and later calls do not try."""
     from triton.runtime.errors import OutOfResources
 
-    reason = triton_attention.kernel_fallback_reason
     tries = []
 
     def out_of_shared_memory(self):
@@ -345,21 +366,19 @@ def test_failed_launch_falls_back_once_with_a_warning(monkeypatch, caplog):
 
     monkeypatch.setattr(triton_attention, "_device_facts", lambda device: ("A small GPU", (9, 0)))
     monkeypatch.setattr(triton_attention, "FAILED_LAUNCHES", {})
+    monkeypatch.setattr(dispatch, "FAILED_LAUNCHES", triton_attention.FAILED_LAUNCHES)
     monkeypatch.setattr(triton_attention, "INTERPRETED", False)  # the failure path of a real GPU
     monkeypatch.setattr(triton_attention.Launch, "__call__", out_of_shared_memory)
     monkeypatch.setattr(triton_attention.Launch, "prepare", out_of_shared_memory)
-    monkeypatch.setattr(
-        sdpa_attention,
-        "kernel_fallback_reason",
-        lambda *args, **kwargs: reason(*args, device_type="cuda", capability=(9, 0), gpu="A small GPU", **kwargs),
-    )
+    on_gpu(monkeypatch, gpu="A small GPU")
+    switch(TRITON="1")  # the launch's failure, not the self-check's (which meets it as well: passed on as is)
     case = Case(length=17, dim=32, mask="padded")
     expected = case.run(eager_disentangled)
     with pytest.warns(RuntimeWarning, match="A small GPU.*out of resource: shared memory") as warned:
         actual = case.run(sdpa_attention.sdpa_disentangled)
     assert_matches(case, expected, actual)
     assert len(tries) == 1 and len(warned) == 1
-    with caplog.at_level(logging.DEBUG, logger=sdpa_attention.__name__), warnings.catch_warnings():
+    with caplog.at_level(logging.DEBUG, logger=dispatch.logger.name), warnings.catch_warnings():
         warnings.simplefilter("error")  # no second warning
         again = case.run(sdpa_attention.sdpa_disentangled)
     assert_matches(case, expected, again)
@@ -376,7 +395,7 @@ def test_table_tile_kinds_match_the_columns():
         length = arguments["length"]
         positions = RelativePositions.build(length, *arguments.get("buckets", (8, 0, 0)), "cpu")
         column = positions.column.tolist()
-        kinds = iter(triton_attention.table_tile_kinds(positions.column_runs, length, 16, 16))
+        kinds = iter(triton_attention.table_tile_kinds(triton_attention.column_runs(positions), length, 16, 16))
         for i0 in range(0, length, 16):
             for j0 in range(0, length, 16):
                 distances = {i - j + length - 1 for i in range(i0, min(i0 + 16, length))
@@ -391,15 +410,20 @@ def test_table_tile_kinds_match_the_columns():
     assert seen == {"alone", "one column", "atomics"}
 
 
-def test_cpu_never_takes_the_kernel(monkeypatch, caplog):
-    """Even with the interpreter on, sdpa on CPU tensors runs its own code, and says why in one debug line."""
+def test_cpu_never_takes_the_kernel(monkeypatch, switch, caplog):
+    """Even with the interpreter on and the kernel switched on without its check, sdpa on CPU tensors runs its own
+    code; a call that falls back from the CPU's first path says which and why in one debug line."""
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the Triton kernel ran for CPU tensors")
 
+    decisions = []
+    decide = sdpa_attention.decide
+    monkeypatch.setattr(sdpa_attention, "decide", lambda call: decisions.append(decide(call)) or decisions[-1])
     monkeypatch.setattr(sdpa_attention, "triton_disentangled", forbidden)
+    switch(TRITON="1")
     case = Case(length=17, dim=32, mask="padded")
-    with caplog.at_level(logging.DEBUG, logger=sdpa_attention.__name__):
+    with caplog.at_level(logging.DEBUG, logger=dispatch.logger.name):
         expected = case.run(eager_disentangled)
         actual = case.run(sdpa_attention.sdpa_disentangled)  # training: gradients on
         with torch.no_grad():
@@ -408,8 +432,23 @@ def test_cpu_never_takes_the_kernel(monkeypatch, caplog):
                 None, query, key, value, case.mask, case.scaling, 0.0, case.position_scores()
             )
     assert_matches(case, expected, actual)
-    lines = [record.getMessage() for record in caplog.records if record.name == sdpa_attention.__name__]
-    assert len(lines) == 2 and all("runs on CUDA devices, not cpu" in line for line in lines)
+    assert [decision.path.startswith("cpu-") for decision in decisions] == [True, True]
+    lines = [record.getMessage() for record in caplog.records if record.name == dispatch.logger.name]
+    assert lines == [f"attention runs {decision.describe()}" for decision in decisions if decision.skipped]
+    assert all("triton" not in line for line in lines)
+
+
+def on_gpu(monkeypatch, gpu: str = "interpreter", tiles: dict | None = None) -> None:
+    """The dispatcher told that CPU tensors are on a CUDA GPU `gpu` of compute capability 9.0 (the interpreter runs
+    the kernel on them), with `tiles` for every call where given."""
+    facts = sdpa_attention.call_facts
+
+    def on_cuda(*args, **kwargs):
+        return dataclasses.replace(facts(*args, **kwargs), device="cuda", gpu=gpu, capability=(9, 0))
+
+    monkeypatch.setattr(sdpa_attention, "call_facts", on_cuda)
+    if tiles is not None:
+        monkeypatch.setattr(dispatch, "tiles_for", lambda *args: dict(tiles))
 
 
 def model_config(**overrides) -> disentangled.DisentangledConfig:
@@ -422,20 +461,18 @@ def model_config(**overrides) -> disentangled.DisentangledConfig:
 
 @in_interpreter
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_model_through_the_kernel_matches_eager(monkeypatch, layout):
+def test_model_through_the_kernel_matches_eager(monkeypatch, switch, layout):
     """A tiny model (head size 32) whose sdpa backend is routed through the kernel, as on CUDA: the dispatcher is
     told the device is CUDA, and every attention call must reach the kernel."""
-    reason, attend = triton_attention.kernel_fallback_reason, triton_attention.triton_disentangled
+    attend = triton_attention.triton_disentangled
     calls = []
-
-    def on_cuda(*args, **kwargs):
-        return reason(*args, device_type="cuda", **kwargs)
 
     def counted(*args, **kwargs):
         calls.append(args[1].shape)
-        return attend(*args, blocks=TILES, **kwargs)
+        return attend(*args, **kwargs)
 
-    monkeypatch.setattr(sdpa_attention, "kernel_fallback_reason", on_cuda)
+    on_gpu(monkeypatch, tiles=TILES)
+    switch(TRITON="1")  # the self-check has tests of its own
     monkeypatch.setattr(sdpa_attention, "triton_disentangled", counted)
     torch.manual_seed(0)
     reference = disentangled.DisentangledModel(model_config())
@@ -465,12 +502,188 @@ def test_model_through_the_kernel_matches_eager(monkeypatch, layout):
             assert (p.grad - q.grad).abs().max().item() <= 1e-4 * scale + 1e-7, name
 
 
+# The self-check on first use (`modeling/kernel_check.py`), with the interpreter's kernel on a "GPU" of 16 x 16 tiles
+
+
+@pytest.fixture
+def verdicts(monkeypatch, tmp_path):
+    """A verdict cache of the test's own, and none in memory; the folder the verdicts are written to."""
+    monkeypatch.setenv("DISENTANGLED_CACHE", str(tmp_path))
+    kernel_check.forget()
+    yield tmp_path / "triton-checks"
+    kernel_check.forget()
+
+
+def counting(monkeypatch, kernel=None) -> tuple[list, list]:
+    """(the kinds the self-check compared, the calls `sdpa_attention.triton_disentangled` received), with `kernel`
+    in its place where given."""
+    checks, calls = [], []
+    compare, attend = kernel_check._compare, kernel or triton_attention.triton_disentangled
+    monkeypatch.setattr(kernel_check, "_compare", lambda kind, *args: checks.append(kind) or compare(kind, *args))
+    monkeypatch.setattr(sdpa_attention, "triton_disentangled", lambda *a, **k: calls.append(1) or attend(*a, **k))
+    return checks, calls
+
+
+def sdpa_call(case: Case, dropout: float = 0.0, training: bool = False):
+    """sdpa_disentangled on the case: the context, and the gradients where `training`."""
+    if training:
+        return case.run(sdpa_attention.sdpa_disentangled, dropout=dropout)
+    with torch.no_grad():
+        return case.run_forward(sdpa_attention.sdpa_disentangled, dropout=dropout)
+
+
+@in_interpreter
+@pytest.mark.parametrize("training", [False, True], ids=["forward", "training-with-dropout"])
+def test_self_check_runs_once_per_kind_and_its_verdict_is_kept(monkeypatch, verdicts, training):
+    """The first call of a kind runs the check, then the kernel serves it (outputs and gradients as eager's, the
+    caller's random stream untouched by the check); the verdict is written; a later call and a fresh process (the
+    memory forgotten, or another interpreter reading the file) check nothing; a kind that differs (a length that is
+    a multiple of 16) is checked on its own. With dropout the check compares the kernel with the formula under the
+    kernel's own Philox decisions (two seeds) and checks the kept fraction."""
+    on_gpu(monkeypatch, tiles=TILES)
+    checks, calls = counting(monkeypatch)
+    case = Case(length=24, dim=32, mask="padded", terms=("c2p", "p2c", "p2p"))
+    dropout = 0.1 if training else 0.0
+    if not training:
+        state = torch.get_rng_state()
+        actual = sdpa_call(case)
+        assert torch.equal(torch.get_rng_state(), state)  # the check drew nothing from the caller's generator
+        with torch.no_grad():
+            assert_close(actual, case.run_forward(eager_disentangled), 1e-5, "context")
+    else:
+        context, grads = sdpa_call(case, dropout, training=True)
+        undropped = case.run(eager_disentangled)[0]
+        assert context.isfinite().all() and all(grad.isfinite().all() for grad in grads if grad is not None)
+        assert (context - undropped).abs().max() > 1e-3  # dropout dropped something
+    assert len(checks) == 1 and checks[0].training == training and checks[0].dropout == training
+    assert len(calls) == (3 if training else 2)  # the check's kernel runs (one per seed with dropout), the call
+    (saved,) = verdicts.glob("*.json")
+    verdict = json.loads(saved.read_text())
+    assert verdict["passed"] and verdict["seconds"] > 0 and verdict["kind"]["terms"] == ["c2p", "p2c", "p2p"]
+    if training:
+        assert {"seed 1234567", "seed 1244432"} == set(verdict["figures"])
+        assert all(entry["error"] <= entry["bound"] for entry in verdict["figures"]["seed 1234567"].values())
+    sdpa_call(case, dropout, training)
+    kernel_check.forget()  # as a new process: the verdict comes from the file
+    sdpa_call(case, dropout, training)
+    assert len(checks) == 1
+    kind = checks[0]
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD_VERDICT, json.dumps(dataclasses.asdict(kind))],
+        capture_output=True, text=True, timeout=300, env=os.environ,
+    )  # fmt: skip
+    assert child.returncode == 0 and child.stdout.strip() == "passed", child.stderr[-2000:]
+    sdpa_call(Case(length=32, dim=32, mask="padded", terms=("c2p", "p2c", "p2p")), dropout, training)
+    assert len(checks) == 2 and checks[1].aligned and not kind.aligned
+    from disentangled import environment
+
+    reported = environment.self_checks()
+    assert len(reported) == 2 and all(entry["passed"] and entry["current"] for entry in reported)
+
+
+CHILD_VERDICT = """
+import json, sys
+from disentangled.modeling import kernel_check
+kind = kernel_check.Kind.from_saved(json.loads(sys.argv[1]))
+found = kernel_check.verdict(kind)
+print("missing" if found is None else "passed" if found["passed"] else "failed")
+"""
+
+
+@in_interpreter
+def test_a_kernel_with_wrong_numbers_is_caught_and_never_serves(monkeypatch, verdicts):
+    """A kernel whose context is off by 1e-3 after its first tile of rows (a miscompile at some tile): its check
+    fails with one warning that gives the figures; sdpa's path serves that call and every later one of the kind, in
+    this process and the next, without checking again; the numbers returned are eager's."""
+    attend = triton_attention.triton_disentangled
+
+    def miscompiled(*args, **kwargs):
+        context, probs = attend(*args, **kwargs)
+        wrong = context.clone()
+        wrong[:, 16:] += 1e-3
+        return wrong, probs
+
+    on_gpu(monkeypatch, tiles=TILES)
+    checks, calls = counting(monkeypatch, miscompiled)
+    case = Case(length=24, dim=32, mask="padded")
+    with torch.no_grad():
+        expected = case.run_forward(eager_disentangled)
+    with pytest.warns(RuntimeWarning, match=r"failed its self-check on interpreter .* context error 0\.001") as warned:
+        actual = sdpa_call(case)
+    assert len(warned) == 1 and len(checks) == 1 and len(calls) == 1  # the check's run only
+    assert_close(actual, expected, 1e-5, "context")
+    (saved,) = verdicts.glob("*.json")
+    assert not json.loads(saved.read_text())["passed"]
+    for fresh in (False, True):
+        if fresh:
+            kernel_check.forget()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert_close(sdpa_call(case), expected, 1e-5, "context")
+    assert len(checks) == 1 and len(calls) == 1
+    decision = dispatch.decide(dispatch.Call(**facts_of(checks[0])))
+    assert decision.path == "sdpa-blocked" and "failed its self-check" in decision.describe()
+
+
+def facts_of(kind: kernel_check.Kind) -> dict:
+    """The facts of a call of `kind` on the interpreter's "GPU", as the dispatcher takes them."""
+    return dict(
+        device="cuda", gpu=kind.gpu, capability=kind.capability, dtype=getattr(torch, kind.dtype),
+        head_size=kind.head_size, gradients=kind.training, dropout=0.1 if kind.dropout else 0.0,
+        mask="keys" if kind.mask else "none", terms=kind.terms, length=24 if not kind.aligned else 32,
+    )  # fmt: skip
+
+
+@in_interpreter
+def test_a_kernel_that_drops_other_entries_fails_the_check(monkeypatch, verdicts):
+    """With dropout the outputs are random: the check holds the kernel to the formula under the decisions its seed
+    makes (`dropout_keep_mask`). A kernel that draws them from another seed fails it, and sdpa trains instead."""
+    attend = triton_attention.triton_disentangled
+
+    def other_seed(*args, seed=None, **kwargs):
+        return attend(*args, seed=None if seed is None else seed + 1, **kwargs)
+
+    on_gpu(monkeypatch, tiles=TILES)
+    checks, calls = counting(monkeypatch, other_seed)
+    case = Case(length=24, dim=32, mask="padded")
+    with pytest.warns(RuntimeWarning, match="failed its self-check .* dropout"):
+        context, grads = sdpa_call(case, 0.1, training=True)
+    assert len(checks) == 1 and context.isfinite().all() and all(g.isfinite().all() for g in grads if g is not None)
+    (saved,) = verdicts.glob("*.json")
+    figures = json.loads(saved.read_text())["figures"]["seed 1234567"]
+    assert figures["kept fraction"]["error"] <= figures["kept fraction"]["bound"]  # the decisions themselves are fine
+    assert figures["context"]["error"] > figures["context"]["bound"]
+
+
+@in_interpreter
+def test_the_report_names_the_path_a_call_takes_and_follows_a_switch(monkeypatch, switch, verdicts):
+    """`disentangled env`'s table of paths comes from the dispatcher: for a GPU it describes, the path it reports
+    is the one a call of that kind takes; switched off, both say sdpa's blocked path."""
+    from disentangled import environment
+
+    on_gpu(monkeypatch, tiles=TILES)
+    checks, calls = counting(monkeypatch)
+    gpu = [{"device": "cuda", "gpu": "interpreter", "capability": (9, 0)}]
+    case = Case(length=24, dim=32, mask="padded")
+    facts = dict(head_size=32, length=24, heads=2, width=case.positions.width)
+    for value, expected in (("1", "triton"), ("0", "sdpa-blocked")):
+        switch(TRITON=value)
+        rows = environment.paths(gpu, **facts)
+        (row,) = [row for row in rows if row["dtype"] == "float32" and row["mode"] == "inference"]
+        before = len(calls)
+        sdpa_call(case)
+        ran = "triton" if len(calls) > before else "sdpa-blocked"
+        assert row["path"] == ran == expected, (row, ran)
+    assert not checks
+
+
 def test_module_imports_without_triton(monkeypatch):
-    """As in the Hub bundle on a machine without triton: the module imports, and the dispatcher says why."""
+    """As in the Hub bundle on a machine without triton: the module imports, its tiles table reads, and it says
+    triton is absent (which the dispatcher gives as its reason: `test_dispatch_takes_the_kernel_on_cuda_...`)."""
     monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.setitem(sys.modules, "triton.language", None)
     spec = importlib.util.spec_from_file_location("disentangled.modeling._without_triton", triton_attention.__file__)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert not module.TRITON_AVAILABLE
-    assert "not installed" in module.kernel_fallback_reason(*facts(), device_type="cuda")
+    assert module.tiles_for((9, 0), torch.bfloat16, 64) == triton_tiles.tiles_for((9, 0), torch.bfloat16, 64)

@@ -93,7 +93,8 @@ CALL = Diagram(
                         "ALL_ATTENTION_FUNCTIONS.get_interface",
                         ["attn_implementation picks the backend"],
                         kind="switch",
-                    )
+                    ),
+                    Box("decide", "dispatch.py", ["decide(): which path serves", "a call, and why; the switches"]),
                 ],
                 [
                     Box("eager", "disentangled_attention.py", ["eager: the reference,", "a dense [B, H, L, L] bias"]),
@@ -108,6 +109,7 @@ CALL = Diagram(
                 [
                     Box("workspace", "workspace.py", ["buffers the blocked paths reuse"]),
                     Box("tiles", "triton_tiles.py", ["the kernel's tiles per GPU:", "the table, tuned profiles"]),
+                    Box("check", "kernel_check.py", ["its self-check on the", "first call of each kind"]),
                 ],
             ],
             folder="modeling/",
@@ -127,6 +129,8 @@ CALL = Diagram(
         ("cpu", "native", ""),
         ("cpu", "workspace", ""),
         ("triton", "tiles", ""),
+        ("triton", "check", ""),
+        ("sdpa", "decide", "asks"),
     ],
 )
 

@@ -1,0 +1,358 @@
+"""`disentangled env`: what a bug report needs to say about the machine, and what every benchmark record says.
+
+    disentangled env            # or: python -m disentangled env
+    disentangled env --json
+
+The versions (Python, torch and its CUDA, transformers, triton, onnxruntime, this package and the git commit it
+runs from when that is a checkout), the processor (name, the vector extensions that decide which kernels run, AMX,
+threads), the compiled CPU kernel (built or not, and why not), each GPU (name, compute capability, memory, the Triton
+kernel's tiles for each precision and head size and whether they come from a tuned profile), the switches, the
+self-check's verdicts kept on this machine, and the attention path each kind of call takes (device, dtype, inference
+or training), with its reason: the answer of `dispatch.decide`, the function that picks the path of every real call,
+for a DeBERTa-v3-base call of 512 tokens. `facts()` gathers it all; `benchmarks/records.py` writes it into every
+record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+# /proc/cpuinfo flags, in the order printed: the vector units that decide which kernels run (float, int8, AMX)
+EXTENSIONS = [
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "sve",
+    "sve2",
+    "i8mm",
+    "bf16",
+]
+VERSIONS = ["torch", "transformers", "triton", "onnxruntime", "disentangled"]  # distributions, by their metadata
+# A DeBERTa-v3-base call as the report describes it: 12 heads of 64, 512 tokens with a key mask, c2p + p2c, 256 log
+# buckets reaching 512 tokens (the reach `paths` builds), dropout 0.1 in training.
+REPORTED_CALL = dict(head_size=64, length=512, heads=12, mask="keys", terms=("c2p", "p2c"))
+
+
+def processor() -> tuple[str, list[str]]:
+    """The processor's model name and which of `EXTENSIONS` it has (Linux: /proc/cpuinfo; elsewhere platform's)."""
+    name, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model") and not name:
+                    name = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return name or platform.processor() or platform.machine(), [flag for flag in EXTENSIONS if flag in flags]
+
+
+def commit(top: Path | None = None) -> str:
+    """The commit of the checkout at `top` (by default the one this package runs from), `+dirty` when tracked files
+    other than the benchmark records differ from it; "unknown" where it is not a git checkout (an installed wheel)."""
+    top = top or Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=top, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/records"],
+            cwd=top,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def versions(checkout: Path | None = None) -> dict:
+    """Python and each of `VERSIONS` (None where absent), torch's CUDA / ROCm, and the commit of `checkout` (by
+    default the one this package runs from)."""
+    found = {"python": platform.python_version()}
+    for name in VERSIONS:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    found["torch"] = torch.__version__  # the running one (a local build's metadata may differ)
+    found["cuda"] = torch.version.cuda
+    found["rocm"] = torch.version.hip
+    found["commit"] = commit(checkout)
+    return found
+
+
+def cpu() -> dict:
+    name, extensions = processor()
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        usable = os.cpu_count()
+    return {
+        "name": name,
+        "machine": platform.machine(),
+        "extensions": extensions,
+        "amx": [flag for flag in extensions if flag.startswith("amx")],
+        "torch_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpus": os.cpu_count(),
+        "usable_cpus": usable,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def native() -> dict:
+    """The compiled CPU kernel (`modeling/native.py`), as the dispatcher sees it (`dispatch.native_*`)."""
+    from .modeling import dispatch
+
+    built = dispatch.native_built()
+    return {
+        "built": built,
+        "why_not": None if built else dispatch.native_why_unavailable(),
+        "fused_float32": built and dispatch.native_attend(torch.float32),
+        "fused_bfloat16": built and dispatch.native_attend(torch.bfloat16),
+        "disabled_by_environment": os.environ.get("DISENTANGLED_NATIVE") == "0",
+    }
+
+
+def gpus() -> list[dict]:
+    """Each CUDA GPU: name, compute capability, memory, and the Triton kernel's tiles for each precision and head size
+    (None: that precision falls back to sdpa there), with where they come from."""
+    from .modeling import triton_attention, triton_tiles
+
+    found = []
+    if not torch.cuda.is_available():
+        return found
+    for index in range(torch.cuda.device_count()):
+        properties = torch.cuda.get_device_properties(index)
+        capability = (properties.major, properties.minor)
+        tiles = {}
+        for dtype in (torch.bfloat16, torch.float32):
+            for head_size in triton_attention.HEAD_SIZES:
+                chosen = triton_tiles.tiles_for(capability, dtype, head_size, properties.name)
+                table = triton_tiles.tiles_for(capability, dtype, head_size, None)
+                tiles[f"{triton_tiles.precision(dtype)}/{head_size}"] = {
+                    "tiles": {kernel: list(tile) for kernel, tile in chosen.items()} if chosen else None,
+                    "from": "tuned profile" if chosen != table else "table",
+                }
+        found.append(
+            {
+                "index": index,
+                "name": properties.name,
+                "capability": list(capability),
+                "memory_gib": round(properties.total_memory / 2**30, 1),
+                "tiles": tiles,
+            }
+        )
+    return found
+
+
+def devices(found_gpus: list[dict]) -> list[dict]:
+    """The devices whose paths are reported: the CPU, then each GPU (name and capability)."""
+    return [{"device": "cpu"}] + [
+        {"device": "cuda", "gpu": gpu["name"], "capability": tuple(gpu["capability"])} for gpu in found_gpus
+    ]
+
+
+def paths(on: list[dict], **facts) -> list[dict]:
+    """The path `dispatch.decide` gives each kind of call (each device of `on`; float32, bfloat16 and, on a GPU,
+    float16; inference and training) for `REPORTED_CALL` updated with `facts`, with its reason."""
+    from .modeling import dispatch
+    from .modeling.disentangled_attention import RelativePositions
+    from .modeling.native import kernel_columns
+
+    positions = RelativePositions.build(REPORTED_CALL["length"], 256, 256, 512, "cpu")  # DeBERTa-v3's buckets
+    reach = dict(width=positions.width, tiled_columns=kernel_columns(positions) is not None)
+    rows = []
+    for device in on:
+        dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if device["device"] != "cpu" else [])
+        for dtype in dtypes:
+            for training in (False, True):
+                call = dispatch.Call(
+                    **{**REPORTED_CALL, **reach, **facts},
+                    **device,
+                    dtype=dtype,
+                    gradients=training,
+                    dropout=0.1 if training else 0.0,
+                )
+                decision = dispatch.decide(call)
+                rows.append(
+                    {
+                        "device": device.get("gpu", device["device"]),
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "mode": "training" if training else "inference",
+                        "path": decision.path,
+                        "reason": decision.reason,
+                        "not": [f"{path}: {why}" for path, why in decision.skipped],
+                    }
+                )
+    return rows
+
+
+def switches() -> dict:
+    from .modeling import dispatch
+
+    return {
+        "module": dispatch.switches(),
+        "environment": {
+            name: os.environ.get(name) for name in ("DISENTANGLED_TRITON", "DISENTANGLED_NATIVE", "DISENTANGLED_CACHE")
+        },
+        "debug_logger": dispatch.logger.name,
+    }
+
+
+def self_checks() -> list[dict]:
+    """The verdicts kept on this machine (`kernel_check.saved_verdicts`), each summarised."""
+    from .modeling import kernel_check
+
+    return [
+        {
+            "kind": verdict["kind"],
+            "passed": verdict["passed"],
+            "current": verdict["current"],
+            "seconds": verdict.get("seconds"),
+            "time": verdict.get("time"),
+            "figures": verdict["figures"],
+            "environment": verdict["environment"],
+        }
+        for verdict in kernel_check.saved_verdicts()
+    ]
+
+
+def facts(checkout: Path | None = None) -> dict:
+    """Everything `disentangled env` reports, as one JSON-ready dict (the commit that of `checkout`, by default the
+    one this package runs from)."""
+    found_gpus = gpus()
+    return {
+        "versions": versions(checkout),
+        "cpu": cpu(),
+        "native": native(),
+        "gpus": found_gpus,
+        "switches": switches(),
+        "self_checks": self_checks(),
+        "paths": paths(devices(found_gpus)),
+    }
+
+
+def render(found: dict) -> str:
+    """The report as text, to paste into an issue."""
+    lines = ["## Versions"]
+    versions_ = found["versions"]
+    lines += [f"- {name}: {value}" for name, value in versions_.items() if value is not None]
+    cpu_ = found["cpu"]
+    lines += [
+        "",
+        "## Processor",
+        f"- {cpu_['name']} ({cpu_['machine']})",
+        f"- extensions: {' '.join(cpu_['extensions']) or 'none of those listed'}; AMX: {' '.join(cpu_['amx']) or 'no'}",
+        f"- torch's CPU capability: {cpu_['torch_capability']}; {cpu_['cpus']} CPUs, {cpu_['usable_cpus']} usable, "
+        f"torch threads {cpu_['torch_threads']}",
+    ]
+    native_ = found["native"]
+    lines += ["", "## Compiled CPU kernel"]
+    if native_["built"]:
+        lines.append(
+            f"- built; fused attention in float32: {'yes' if native_['fused_float32'] else 'no'}, in bfloat16: "
+            f"{'yes' if native_['fused_bfloat16'] else 'no (needs AMX and AVX512-BF16)'}"
+        )
+    else:
+        lines.append(f"- not built: {native_['why_not']}")
+    lines += ["", "## GPUs"]
+    if not found["gpus"]:
+        lines.append("- none (torch sees no CUDA GPU)")
+    for gpu in found["gpus"]:
+        lines.append(
+            f"- {gpu['index']}: {gpu['name']}, compute capability {gpu['capability'][0]}.{gpu['capability'][1]}, "
+            f"{gpu['memory_gib']} GiB"
+        )
+        for key, entry in gpu["tiles"].items():
+            if entry["tiles"] is None:
+                lines.append(f"  - {key}: no tiles (sdpa serves these calls)")
+            else:
+                tiles = ", ".join(f"{kernel} {'x'.join(map(str, tile))}" for kernel, tile in entry["tiles"].items())
+                lines.append(f"  - {key}: {tiles} (from the {entry['from']})")
+    switches_ = found["switches"]
+    lines += ["", "## Switches"]
+    lines += [f"- {name}={value}" for name, value in switches_["environment"].items() if value is not None]
+    lines.append("- " + ", ".join(f"dispatch.{name} = {value!r}" for name, value in switches_["module"].items()))
+    lines.append(f"- debug logger: {switches_['debug_logger']}")
+    lines += ["", "## Triton self-check verdicts on this machine"]
+    if not found["self_checks"]:
+        lines.append("- none")
+    for verdict in found["self_checks"]:
+        kind = verdict["kind"]
+        described = (
+            f"{kind['gpu']} {kind['dtype']} head size {kind['head_size']} "
+            f"{'training' if kind['training'] else 'forward'}{' dropout' if kind['dropout'] else ''}"
+            f"{' mask' if kind['mask'] else ''} {'+'.join(kind['terms'])}"
+        )
+        state = "passed" if verdict["passed"] else "FAILED"
+        stale = "" if verdict["current"] else " (made with other versions: not used here)"
+        lines.append(f"- {described}: {state}{stale}")
+    lines += ["", "## Attention paths (a DeBERTa-v3-base call: 12 heads of 64, 512 tokens, key mask)", ""]
+    lines += ["| device | dtype | mode | path | why |", "|---|---|---|---|---|"]
+    for row in found["paths"]:
+        why = row["reason"] + "".join(f"; not {entry}" for entry in row["not"])
+        lines.append(f"| {row['device']} | {row['dtype']} | {row['mode']} | {row['path']} | {why} |")
+    return "\n".join(lines)
+
+
+def record_fields(checkout: Path | None = None) -> dict:
+    """What every benchmark record says about where it ran (`benchmarks/records.py`): the processor, its extensions,
+    torch's CPU capability and threads, the torch and transformers versions and the commit at the top level (as the
+    manual's tables read them), and the rest of `facts(checkout)` under "environment"."""
+    found = facts(checkout)
+    return {
+        "processor": found["cpu"]["name"],
+        "extensions": found["cpu"]["extensions"],
+        "cpu_capability": found["cpu"]["torch_capability"],
+        "threads": found["cpu"]["torch_threads"],
+        "torch": found["versions"]["torch"],
+        "transformers": found["versions"]["transformers"],
+        "commit": found["versions"]["commit"],
+        "environment": found,
+    }
+
+
+def describe() -> str:
+    """One line: processor, extensions, logical CPUs, torch's threads and torch's CPU capability."""
+    name, extensions = processor()
+    capability = torch.backends.cpu.get_cpu_capability()
+    return (
+        f"{name} ({' '.join(extensions) or 'no listed vector extensions'}; torch uses {capability}), "
+        f"{os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads"
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the facts as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    found = facts()
+    print(json.dumps(found, indent=1, default=str) if args.json else render(found))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - `disentangled env` is the entry point
+    parser = argparse.ArgumentParser(prog="disentangled env")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
