@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -194,6 +195,55 @@ def instruction_set() -> tuple[str, str]:
     if sets[0] == "none":
         return "none", f"no vector set the kernels are written for ({processor})"
     return sets[0], f"the best this processor has ({processor})"
+
+
+# bfloat16 without bfloat16 arithmetic: PyTorch's CPU operators convert to float32 and back around each product, so
+# every model (ours, transformers' DeBERTa, BERT) runs several times slower than in float32. Measured on a 2-core AMD
+# EPYC with AVX2 + FMA, no avx512_bf16 or AMX (torch 2.13, DeBERTa-v3-base shape, 2 layers): BFLOAT16_SLOWDOWN, the
+# bfloat16 time over the float32 time of ours-sdpa (benchmarks/records/run.jsonl, the two `benchmarks.run` records
+# of the note in docs/performance.md's CPU section).
+BFLOAT16_SLOWDOWN = "5 to 7 times"
+BFLOAT16_WARNING = "DISENTANGLED_BFLOAT16_WARNING"  # 0: no warning
+_bfloat16_checked: list[bool] = []
+
+
+def missing_bfloat16_arithmetic() -> list[str]:
+    """The extensions for bfloat16 arithmetic this processor lacks: on x86-64 avx512_bf16 and amx_bf16 (either one
+    serves PyTorch's bfloat16 products), on aarch64 bf16; [] where it has one (or on another processor)."""
+    machine = platform.machine().lower()
+    features = set(_cpu_flags().partition(":")[2].split())
+    if machine in ("x86_64", "amd64"):
+        wanted = ["avx512_bf16", "amx_bf16"]
+    elif machine in ("aarch64", "arm64"):
+        wanted = ["bf16"]
+    else:
+        return []
+    return [] if features & set(wanted) or not features else wanted
+
+
+def warn_if_bfloat16_is_emulated(dtype: torch.dtype) -> None:
+    """On the first forward in bfloat16 on the CPU (the model cast, or CPU autocast to bfloat16): one warning where
+    the processor has no bfloat16 arithmetic, naming what it lacks, the cost and the remedy. Silenced by
+    DISENTANGLED_BFLOAT16_WARNING=0."""
+    if _bfloat16_checked:
+        return
+    try:
+        autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    except (AttributeError, TypeError):  # torch before 2.4
+        autocast = False
+    if dtype != torch.bfloat16 and not autocast:
+        return
+    _bfloat16_checked.append(True)
+    missing = missing_bfloat16_arithmetic()
+    if not missing or os.environ.get(BFLOAT16_WARNING, "1") == "0":
+        return
+    warnings.warn(
+        f"bfloat16 on this CPU is emulated: it has no {' or '.join(missing)}, so PyTorch converts to float32 around "
+        f"each product, and a forward runs about {BFLOAT16_SLOWDOWN} slower than in float32 (measured on an AVX2 "
+        "EPYC; transformers' DeBERTa and BERT alike). Load the model in float32 (the default), or serve it in int8 "
+        f"(the manual's Serving page). Set {BFLOAT16_WARNING}=0 to silence this.",
+        stacklevel=3,
+    )
 
 
 def _compiler() -> str | None:
