@@ -48,10 +48,16 @@ def processor() -> tuple[str, list[str]]:
 
 
 def describe() -> str:
-    """One line: processor, extensions, logical CPUs, torch's threads and torch's CPU capability."""
+    """One line: processor, extensions, logical CPUs, torch's threads, torch's CPU capability, and the instruction
+    set of our CPU kernels with the reason (`native.instruction_set`)."""
+    from disentangled.modeling import native
+
     name, extensions = processor()
     capability = torch.backends.cpu.get_cpu_capability()
+    kernels, reason = native.instruction_set()
+    built = "" if kernels == "none" or native.available() else f", not built: {native.why_unavailable()}"
     return (
         f"{name} ({' '.join(extensions) or 'no listed vector extensions'}; torch uses {capability}), "
-        f"{os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads"
+        f"{os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads; "
+        f"our CPU kernels: {kernels} ({reason}{built})"
     )

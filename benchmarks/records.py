@@ -2,8 +2,10 @@
 `benchmarks/records/<benchmark>.jsonl`.
 
 A record says what ran where: the benchmark's name, the UTC time, the processor and its vector extensions (AMX
-included), torch's CPU capability and threads, the torch and transformers versions, the commit (with `+dirty` when
-the tree had changes), the command line, and the benchmark's own figures (any JSON value). The manual's tables and
+included), the instruction set our CPU kernels used and why (the processor's best, or forced by
+DISENTANGLED_CPU_ISA; `native.instruction_set`) and whether they built, torch's CPU capability and threads, the torch
+and transformers versions, the commit (with `+dirty` when the tree had changes), the command line, and the
+benchmark's own figures (any JSON value). The manual's tables and
 figures are generated from these records (`python -m benchmarks.report`), never typed by hand.
 """
 
@@ -42,12 +44,25 @@ def commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
+def instruction_set_fields() -> dict:
+    """Our CPU kernels in this process (`native.instruction_set`): the vector set, why it was chosen, whether
+    DISENTANGLED_CPU_ISA forced it, and whether the kernels built (else the pure-PyTorch path ran, and why)."""
+    from disentangled.modeling import native
+
+    name, reason = native.instruction_set()
+    built = native.available()
+    fields = {"name": name, "reason": reason, "forced": "DISENTANGLED_CPU_ISA" in reason, "built": built}
+    return fields | ({} if built else {"why_not": native.why_unavailable()})
+
+
 def machine_fields() -> dict:
-    """Where a record was measured: processor, extensions, CPU capability, threads and library versions."""
+    """Where a record was measured: processor, extensions, the CPU kernels' instruction set, CPU capability, threads
+    and library versions."""
     name, extensions = processor()
     return {
         "processor": name,
         "extensions": extensions,
+        "instruction_set": instruction_set_fields(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -42,16 +42,42 @@ def short_processor(name: str) -> str:
     return re.sub(r"\s+", " ", name).strip()
 
 
+SET_NAMES = {"avx512": "AVX-512", "avx2": "AVX2", "neon": "NEON", "none": "no kernels"}
+
+
+def instruction_set(record: dict) -> str | None:
+    """The instruction set our CPU kernels ran with: the record's own field, or for a record from before it, the best
+    its processor had ("avx512", "avx2", "neon", "none"; None where the record names no extensions)."""
+    if record.get("instruction_set"):
+        return record["instruction_set"]["name"]
+    extensions = record.get("extensions") or []
+    if not extensions:
+        return None
+    return "avx512" if "avx512f" in extensions else "avx2" if "avx2" in extensions else "none"
+
+
+def processor_label(record: dict) -> str:
+    """'AMD EPYC (AVX2)': the processor's short name and the kernels' instruction set (", forced" where
+    DISENTANGLED_CPU_ISA chose it), so that one processor name with two sets (AVX-512 and AVX2 EPYCs) is two labels."""
+    name = short_processor(record["processor"])
+    chosen = instruction_set(record)
+    if chosen is None:
+        return name
+    forced = ", forced" if (record.get("instruction_set") or {}).get("forced") else ""
+    return f"{name} ({SET_NAMES[chosen]}{forced})"
+
+
 def on_gpu(record: dict) -> bool:
     return record["figures"].get("device", "cpu").startswith("cuda")
 
 
 def latest(records: list[dict], having: str) -> list[dict]:
-    """The newest record per (processor, dtype) whose figures hold a non-empty `having`, in processor order."""
+    """The newest record per (processor and instruction set, dtype) whose figures hold a non-empty `having`, in that
+    order."""
     newest = {}
     for record in records:
         if record["figures"].get(having):
-            newest[(record["processor"], record["figures"].get("dtype", "float32"))] = record
+            newest[(processor_label(record), record["figures"].get("dtype", "float32"))] = record
     return [newest[key] for key in sorted(newest)]
 
 
@@ -68,6 +94,10 @@ def provenance(record: dict) -> str:
         if record["cpu_capability"]
         else f"Processor {record['processor']}"
     )
+    if record.get("instruction_set"):  # records from before the field: the kernels were AVX-512's or none
+        kernels = record["instruction_set"]
+        built = "" if kernels["built"] or kernels["name"] == "none" else f", which did not build: {kernels['why_not']}"
+        where += f"; our CPU kernels: {kernels['name']}, {kernels['reason']}{built}"
     return (
         f"{where}, {record['threads']} thread{'s' if record['threads'] != 1 else ''}, torch {record['torch']}, transformers "
         f"{record['transformers']}, commit {record['commit']}, {record['time'][:10]}{converted}. "
@@ -88,13 +118,18 @@ def speed_table(record: dict) -> list[str]:
         "| case | ours-sdpa / BERT-sdpa | transformers' DeBERTa / ours-sdpa | target | processes at or under it |",
         "|---|---|---|---|---|",
     ]
+    before = any(case.get("pytorch_path_over_bert") for case in figures["cases"])
+    if before:  # `--pytorch-path`: the kernels off, in the same run
+        lines[-2] += " ours-sdpa with the kernels off (pure PyTorch) / BERT-sdpa |"
+        lines[-1] += "---|"
     for case in figures["cases"]:
         target = case["target"]
         per_process = [times["ours-sdpa"] / times["bert-sdpa"] for times in case["times"]]
         met = f"{sum(value <= target for value in per_process)} of {len(per_process)}" if target else "-"
+        off = case.get("pytorch_path_over_bert")
         lines.append(
             f"| {case['case']} | {ratio(case['ours_over_bert'])} | {ratio(case['transformers_over_ours'], 'x')} "
-            f"| {f'{target:.2f}' if target else '-'} | {met} |"
+            f"| {f'{target:.2f}' if target else '-'} | {met} |" + (f" {ratio(off) if off else '-'} |" if before else "")
         )
     return lines
 
@@ -158,16 +193,16 @@ def int8_tables(record: dict) -> list[str]:
 
 def performance_section(runs: list[dict], memories: list[dict], int8s: list[dict]) -> str:
     lines = []
-    processors = sorted({record["processor"] for record in runs + memories + int8s})
+    processors = sorted({processor_label(record) for record in runs + memories + int8s})
     for name in processors:
-        lines += [f"### {short_processor(name)}", ""]
+        lines += [f"### {name}", ""]
         for record in runs:
-            if record["processor"] == name:
+            if processor_label(record) == name:
                 lines += [provenance(record), "", *speed_table(record), ""]
         for record in memories:
-            if record["processor"] == name:
+            if processor_label(record) == name:
                 lines += [provenance(record), "", *memory_table(record), ""]
-        for record in [record for record in int8s if record["processor"] == name]:
+        for record in [record for record in int8s if processor_label(record) == name]:
             lines += [provenance(record), "", *int8_tables(record), ""]
     lines += [
         "![ours-sdpa / BERT-sdpa and transformers' DeBERTa / ours-sdpa per case and processor](performance/speed.png)",
@@ -333,9 +368,9 @@ def draw_gpu(plt, data: dict):
 
 
 def column_label(record: dict) -> str:
-    """'Intel Xeon, bfloat16, 2 threads': what a column of the README's table was measured on."""
+    """'Intel Xeon (AVX-512), bfloat16, 2 threads': what a column of the README's table was measured on."""
     threads = f"{record['threads']} thread{'s' if record['threads'] != 1 else ''}"
-    return f"{short_processor(record['processor'])}, {record['figures']['dtype']}, {threads}"
+    return f"{processor_label(record)}, {record['figures']['dtype']}, {threads}"
 
 
 def readme_section(runs: list[dict]) -> str:
@@ -360,7 +395,7 @@ def readme_section(runs: list[dict]) -> str:
             for record in runs
         )
         extensions = "; ".join(
-            sorted({f"{short_processor(record['processor'])}: {' '.join(record['extensions'])}" for record in runs})
+            sorted({f"{processor_label(record)}: {' '.join(record['extensions'])}" for record in runs})
         )
         lines += [
             "",
@@ -385,7 +420,7 @@ def figure_data(runs: list[dict], memories: list[dict], int8s: list[dict]) -> di
             for r in runs
         },
         "memory.png": {
-            f"{short_processor(r['processor'])} {r['figures'].get('dtype', 'float32')}": {
+            f"{processor_label(r)} {r['figures'].get('dtype', 'float32')}": {
                 model: sorted(
                     (int(length), p["peak_gib"] - p["baseline_gib"]) for length, p in points.items() if p["ok"]
                 )
@@ -394,7 +429,7 @@ def figure_data(runs: list[dict], memories: list[dict], int8s: list[dict]) -> di
             for r in memories
         },
         "int8.png": {
-            short_processor(r["processor"]): [
+            processor_label(r): [
                 (row["case"], {name: row["times"]["ours-float32"] / row["times"][name] for name in INT8_PATHS})
                 for row in r["figures"]["timing"]
             ]

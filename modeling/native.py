@@ -28,6 +28,7 @@ In `modeling/`'s layering (`__init__.py`): layer 3, the compiled CPU kernels.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -323,6 +324,20 @@ def _library() -> ctypes.CDLL | None:
             if "library" not in _state:
                 _state["library"] = _build()
     return _state["library"]
+
+
+@contextlib.contextmanager
+def turned_off():
+    """Within the block the kernels are off, as on a processor without them (every caller takes the pure-PyTorch
+    path): `benchmarks.run --pytorch-path` times that path beside the kernels' in one process. Not thread-safe."""
+    saved = dict(_state)
+    _state.clear()
+    _state.update(library=None, attend=False, why="turned off for this call (native.turned_off)")
+    try:
+        yield
+    finally:
+        _state.clear()
+        _state.update(saved)
 
 
 def available() -> bool:
