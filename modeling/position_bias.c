@@ -835,18 +835,37 @@ static void attend_rows(const AttendArgs *x, int64_t sequence, int64_t head, int
    the keys (a plane's keys and values, twice bfloat16's, outgrow the L2 cache from about 4,096 tokens). */
 
 #ifdef HAVE_VECTORS
-/* out[r * stride + c] = a[r] . b[:, c] for 16 rows of a (64 floats each) and the 16 columns of b ([64][16]),
-   PRODUCT_ROWS rows at a time with their sums in registers (all 16 with AVX-512, 4 with AVX2 or NEON). */
-static inline __attribute__((always_inline)) void product16(const float *a, const float *b, float *out, int64_t stride) {
-    for (int r0 = 0; r0 < 16; r0 += PRODUCT_ROWS) {
-        f32x16 acc[PRODUCT_ROWS];
-        for (int r = 0; r < PRODUCT_ROWS; r++) acc[r] = v_zero();
-        for (int d = 0; d < DIM; d++) {
-            const f32x16 column = v_load(b + 16 * d);
-            for (int r = 0; r < PRODUCT_ROWS; r++) acc[r] = v_fmadd(v_set1(a[(r0 + r) * DIM + d]), column, acc[r]);
-        }
-        for (int r = 0; r < PRODUCT_ROWS; r++) v_store(out + (r0 + r) * stride, acc[r]);
+/* out[r * stride + c] = a[r] . b[:, c] for `rows` rows of a (64 floats each) and the 16 columns of b ([64][16]), the
+   sums in registers (`rows`, at most 16, is a constant at each call). */
+static inline __attribute__((always_inline)) void product_rows(const float *a, const float *b, float *out, int64_t stride,
+                                                              const int rows) {
+    f32x16 acc[16];
+    for (int r = 0; r < rows; r++) acc[r] = v_zero();
+    for (int d = 0; d < DIM; d++) {
+        const f32x16 column = v_load(b + 16 * d);
+        for (int r = 0; r < rows; r++) acc[r] = v_fmadd(v_set1(a[r * DIM + d]), column, acc[r]);
     }
+    for (int r = 0; r < rows; r++) v_store(out + r * stride, acc[r]);
+}
+
+/* The same for 16 rows, PRODUCT_ROWS at a time (all 16 with AVX-512), then the rows left. */
+static inline __attribute__((always_inline)) void product16(const float *a, const float *b, float *out, int64_t stride) {
+    int r0 = 0;
+    for (; r0 + PRODUCT_ROWS <= 16; r0 += PRODUCT_ROWS) product_rows(a + r0 * DIM, b, out + r0 * stride, stride, PRODUCT_ROWS);
+    if (16 % PRODUCT_ROWS) product_rows(a + r0 * DIM, b, out + r0 * stride, stride, 16 % PRODUCT_ROWS);
+}
+
+/* context[r] = context[r] * rescale[r] + weights[r] v for `rows` rows (a constant at each call) and the 16 dimensions
+   from t, over `keys` keys: the sums in registers. */
+static inline __attribute__((always_inline)) void weigh_rows(float *context, const float *rescale, const float *weights,
+                                                            const float *v, int64_t keys, const int rows) {
+    f32x16 acc[16];
+    for (int r = 0; r < rows; r++) acc[r] = v_mul(v_load(context + r * DIM), v_set1(rescale[r]));
+    for (int64_t k = 0; k < keys; k++) {
+        const f32x16 value = v_load(v + k * DIM);
+        for (int r = 0; r < rows; r++) acc[r] = v_fmadd(v_set1(weights[r * KEY_BLOCK + k]), value, acc[r]);
+    }
+    for (int r = 0; r < rows; r++) v_store(context + r * DIM, acc[r]);
 }
 
 static void copy_rows_f32(const float *rows, int64_t stride, int64_t count, float *into) {
@@ -919,21 +938,18 @@ static void attend_rows_f32(const AttendArgs *x, int64_t sequence, int64_t head,
                 product16(query[g], key_tiles + (b0 / 16) * DIM * 16, scores + (b0 - k0), KEY_BLOCK);
             float rescale[QUERY_ROWS];
             softmax_block(&group, g, x, s, tables, k0, keep, scores, rescale, weights, 0);
-            /* context = context * rescale + weights v, 16 dimensions and PRODUCT_ROWS rows at a time */
+            /* context = context * rescale + weights v, PRODUCT_ROWS rows (then the rows left) and 16 dimensions at a
+               time */
             float *context = group.context[g];
-            for (int r0 = 0; r0 < 16; r0 += PRODUCT_ROWS) {
-                for (int t = 0; t < DIM; t += 16) {
-                    f32x16 acc[PRODUCT_ROWS];
-                    for (int r = 0; r < PRODUCT_ROWS; r++)
-                        acc[r] = v_mul(v_load(context + (r0 + r) * DIM + t), v_set1(rescale[r0 + r]));
-                    for (int64_t k = 0; k < count_keys; k++) {
-                        const f32x16 value = v_load(v + (k0 + k) * DIM + t);
-                        for (int r = 0; r < PRODUCT_ROWS; r++)
-                            acc[r] = v_fmadd(v_set1(weights[(r0 + r) * KEY_BLOCK + k]), value, acc[r]);
-                    }
-                    for (int r = 0; r < PRODUCT_ROWS; r++) v_store(context + (r0 + r) * DIM + t, acc[r]);
-                }
-            }
+            int r0 = 0;
+            for (; r0 + PRODUCT_ROWS <= 16; r0 += PRODUCT_ROWS)
+                for (int t = 0; t < DIM; t += 16)
+                    weigh_rows(context + r0 * DIM + t, rescale + r0, weights + r0 * KEY_BLOCK, v + k0 * DIM + t,
+                               count_keys, PRODUCT_ROWS);
+            if (16 % PRODUCT_ROWS)
+                for (int t = 0; t < DIM; t += 16)
+                    weigh_rows(context + r0 * DIM + t, rescale + r0, weights + r0 * KEY_BLOCK, v + k0 * DIM + t,
+                               count_keys, 16 % PRODUCT_ROWS);
         }
     }
     finish_group(&group, x, sequence, head, 0);

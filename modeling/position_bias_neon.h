@@ -2,7 +2,7 @@
    Ampere Altra, Azure Cobalt, Apple M): the 16 lanes are four float32x4_t quarters. The contract is
    position_bias_avx512.h's.
 
-   NEON has 32 registers of 4 lanes: a register-blocked product keeps 4 rows x 16 columns of sums (16 registers);
+   NEON has 32 registers of 4 lanes: a register-blocked product keeps 6 rows x 16 columns of sums (24 registers);
    masks are 16-bit integers, turned into lane masks where a blend needs one; masked loads and stores go through a
    small buffer (NEON has none); a permute is a table lookup of bytes over the 64 bytes of the 16 lanes; 2^n is
    built in the exponent bits. */
@@ -10,7 +10,8 @@
 #include <arm_neon.h>
 
 #define VECTOR_SET "neon"
-#define PRODUCT_ROWS 4
+#define PRODUCT_ROWS 6 /* 6 rows x 4 quarters = 24 accumulators, 4 column loads and a broadcast: 29 of 32
+                          registers */
 
 typedef struct {
     float32x4_t q[4];
