@@ -11,7 +11,7 @@ import re
 
 from disentangled.environment import EXTENSIONS, describe, processor
 
-__all__ = ["EXTENSIONS", "describe", "label", "processor", "short_name", "vector_units"]
+__all__ = ["EXTENSIONS", "SET_NAMES", "describe", "label", "processor", "short_name", "vector_units"]
 
 
 def short_name(name: str) -> str:
@@ -32,7 +32,15 @@ def vector_units(extensions: list[str]) -> str:
     return "no listed vector units"
 
 
+SET_NAMES = {"avx512": "AVX-512", "avx2": "AVX2", "neon": "NEON", "none": "no kernels"}  # native.instruction_set's
+
+
 def label(record: dict) -> str:
     """'AMD EPYC (AVX2)': a record's processor as the manual names it. Two machines that report the same model name
-    (cloud processors often do) but have different vector units are different machines to a benchmark."""
-    return f"{short_name(record['processor'])} ({vector_units(record['extensions'])})"
+    (cloud processors often do) but have different vector units are different machines to a benchmark, and so is one
+    whose CPU kernels DISENTANGLED_CPU_ISA forced to a lower set ('AMD EPYC (AVX-512; AVX2 kernels forced)')."""
+    units = vector_units(record["extensions"])
+    kernels = record.get("instruction_set") or {}
+    if kernels.get("forced"):
+        units += f"; {SET_NAMES[kernels['name']]} kernels forced"
+    return f"{short_name(record['processor'])} ({units})"

@@ -2,10 +2,11 @@
 `benchmarks/records/<benchmark>.jsonl`.
 
 A record says what ran where: the benchmark's name, the UTC time, the processor and its vector extensions (AMX
-included), torch's CPU capability and threads, the torch and transformers versions, the commit (with `+dirty` when
-the tree had changes), everything else `disentangled env` reports (under "environment": versions, the compiled
-kernel, GPUs and tiles, switches, self-check verdicts, the path of each kind of call), the command line, and the
-benchmark's own figures (any JSON value). The manual's tables and
+included), the instruction set our CPU kernels used and why (the processor's best, or forced by
+DISENTANGLED_CPU_ISA; `native.instruction_set`) and whether they built, torch's CPU capability and threads, the torch
+and transformers versions, the commit (with `+dirty` when the tree had changes), everything else `disentangled env`
+reports (under "environment": versions, the compiled kernels, GPUs and tiles, switches, self-check verdicts, the path
+of each kind of call), the command line, and the benchmark's own figures (any JSON value). The manual's tables and
 figures are generated from these records (`python -m benchmarks.report`), never typed by hand.
 """
 

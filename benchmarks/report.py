@@ -106,7 +106,13 @@ def processor_line(record: dict) -> str:
     """'AMD EPYC (avx2 fma; torch uses AVX2)': the model name the system gives and what torch runs on it."""
     extensions = " ".join(record["extensions"]) or "no listed vector extensions"
     capability = f"; torch uses {record['cpu_capability']}" if record.get("cpu_capability") else ""
-    return f"{record['processor']} ({extensions}{capability})"
+    kernels = record.get("instruction_set")  # records from before the field: AVX-512's kernels, or none
+    if kernels:
+        built = "" if kernels["built"] or kernels["name"] == "none" else ", which did not build"
+        kernels = (
+            f"; our CPU kernels: {machine.SET_NAMES[kernels['name']]}{', forced' if kernels['forced'] else ''}{built}"
+        )
+    return f"{record['processor']} ({extensions}{capability}{kernels or ''})"
 
 
 def provenance(record: dict) -> str:
@@ -146,13 +152,18 @@ def speed_table(record: dict) -> list[str]:
         "| case | ours-sdpa / BERT-sdpa | transformers' DeBERTa / ours-sdpa | target | processes at or under it |",
         "|---|---|---|---|---|",
     ]
+    before = any(case.get("pytorch_path_over_bert") for case in figures["cases"])
+    if before:  # `--pytorch-path`: the kernels off, in the same run
+        lines[-2] += " ours-sdpa with the kernels off (pure PyTorch) / BERT-sdpa |"
+        lines[-1] += "---|"
     for case in figures["cases"]:
         target = case["target"]
         per_process = [times["ours-sdpa"] / times["bert-sdpa"] for times in case["times"]]
         met = f"{sum(value <= target for value in per_process)} of {len(per_process)}" if target else "-"
+        off = case.get("pytorch_path_over_bert")
         lines.append(
             f"| {case['case']} | {ratio(case['ours_over_bert'])} | {ratio(case['transformers_over_ours'], 'x')} "
-            f"| {f'{target:.2f}' if target else '-'} | {met} |"
+            f"| {f'{target:.2f}' if target else '-'} | {met} |" + (f" {ratio(off) if off else '-'} |" if before else "")
         )
     return [*lines, "", provenance(record)]
 

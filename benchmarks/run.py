@@ -5,6 +5,7 @@
     python -m benchmarks.run --device cuda --dtype bfloat16   # on a GPU: the GPU cases, with the anchors
     python -m benchmarks.run --no-eager --layers 2 --cases train-4x128 train-2x512 --processes 5   # 5 processes
     python -m benchmarks.run --no-eager --layers 2 --no-memory --threads 2 --processes 3 --dtype bfloat16
+    python -m benchmarks.run --no-eager --layers 2 --no-memory --threads 2 --processes 3 --pytorch-path
 
 Everything is DeBERTa-v3-base-shaped (hidden 768, 12 heads, 3072 intermediate, 256 position buckets, random
 weights, float32 unless --dtype). Our model is loaded from transformers' `DebertaV2Model` checkpoint folder, so both run the
@@ -19,6 +20,9 @@ On a shared 2-core host a ratio moves from one process to the next by more than 
 with its range, against the targets (`targets_for`: float32's, or in bfloat16 on a processor with AMX issue 30's),
 with the number of processes at or under each (benchmarks/results/processes.json keeps every process's report).
 `--dtype bfloat16` casts the models for inference and runs training steps under CPU autocast (float32 weights).
+`--pytorch-path` also times ours-sdpa with our compiled CPU kernels turned off (`native.turned_off`: the pure-PyTorch
+path, what a processor without them runs), interleaved with the rest: before and after the kernels in one run.
+DISENTANGLED_CPU_ISA chooses the kernels' instruction set (`native.instruction_set`, in every record).
 Every run appends one record to benchmarks/records/run.jsonl (processor and extensions, versions, commit, command,
 each process's times, the ratios and their targets), from which the manual's tables and figures are generated.
 
@@ -57,6 +61,7 @@ import disentangled
 from benchmarks import gpu_anchors, machine
 from benchmarks.records import RECORDS, append_record
 from disentangled import environment
+from disentangled.modeling import native
 
 RESULTS = Path(__file__).parent / "results"
 V3_BASE = dict(
@@ -101,10 +106,20 @@ def build_bert(layers: int, positions: int = BERT_POSITIONS["inference"]) -> tra
     return bert
 
 
+PYTORCH_PATH = "ours-sdpa-pytorch"  # ours-sdpa with the compiled CPU kernels turned off (--pytorch-path)
+
+
 def build_models(
-    layers: int, folder: Path, backends: list[str], training: bool, device="cpu", dtype=torch.float32
+    layers: int,
+    folder: Path,
+    backends: list[str],
+    training: bool,
+    device="cpu",
+    dtype=torch.float32,
+    pytorch_path: bool = False,
 ) -> dict[str, torch.nn.Module]:
-    """transformers' DebertaV2Model, ours on its weights (one per backend), and a same-size BertModel with sdpa.
+    """transformers' DebertaV2Model, ours on its weights (one per backend, and with `pytorch_path` a second sdpa
+    model that `measured_call` runs with the compiled CPU kernels off), and a same-size BertModel with sdpa.
 
     For inference the models are cast to `dtype`; for training in a lower precision they keep float32 weights and
     `time_once` runs the step under autocast to `dtype`, as mixed-precision training does."""
@@ -120,6 +135,8 @@ def build_models(
         model = ours if backend == backends[-1] else copy.deepcopy(ours)
         model.set_attn_implementation(backend)
         models[f"ours-{backend}"] = model
+    if pytorch_path:
+        models[PYTORCH_PATH] = copy.deepcopy(models["ours-sdpa"])
     models["transformers-deberta"] = reference
     models["bert-sdpa"] = bert
     for model in models.values():
@@ -165,6 +182,9 @@ def measured_call(model, inputs, training: bool, dtype: torch.dtype, optimizer, 
     """`time_once`, and on CUDA the call's peak allocated memory above what was allocated before it (the loaded
     models, optimizer states and, in training, no gradients: they are dropped first) into `peaks[name]`, in GiB."""
     device = inputs["input_ids"].device
+    if name == PYTORCH_PATH:
+        with native.turned_off():
+            return time_once(model, inputs, training, dtype, optimizer)
     if device.type != "cuda":
         return time_once(model, inputs, training, dtype, optimizer)
     if training:
@@ -474,6 +494,8 @@ def record_figures(args: argparse.Namespace, rows: list[dict], repeats: int, mem
             "transformers_over_ours": ratio_summary(ratios(times, "transformers-deberta", "ours-sdpa")),
             "target": targets.get((mode, batch, length)),
         }
+        if any(PYTORCH_PATH in t for t in times):  # the pure-PyTorch path (the kernels off), in the same run
+            case["pytorch_path_over_bert"] = ratio_summary(ratios(times, PYTORCH_PATH, "bert-sdpa"))
         if cuda:
             others = sorted({name for t in times for name in t} - {"ours-sdpa", "bert-sdpa"})
             case["over_ours"] = {name: ratio_summary(ratios(times, name, "ours-sdpa")) for name in others}
@@ -598,12 +620,15 @@ def in_processes(args: argparse.Namespace, argv: list[str]) -> None:
         "",
         "Median over the processes (lowest-highest):",
         "",
-        "| case | ours-sdpa / bert | transformers / ours-sdpa | target | at or under it |",
-        "|---|---|---|---|---|",
+        "| case | ours-sdpa / bert | transformers / ours-sdpa | target | at or under it |"
+        + (" kernels off / bert |" if args.pytorch_path else ""),
+        "|---|---|---|---|---|" + ("---|" if args.pytorch_path else ""),
     ]
     for index, row in enumerate(reports[0]["inference"] + reports[0]["training"]):
         rows = [(report["inference"] + report["training"])[index]["times"] for report in reports]
         ours = ratios(rows, "ours-sdpa", "bert-sdpa")
+        pytorch = ratios(rows, PYTORCH_PATH, "bert-sdpa")
+        before = f" {statistics.median(pytorch):.2f} ({min(pytorch):.2f}-{max(pytorch):.2f}) |" if pytorch else ""
         theirs = ratios(rows, "transformers-deberta", "ours-sdpa")
         mode, shape = row["case"].split()[:2]
         batch, length = (int(part) for part in shape.split("x"))
@@ -612,7 +637,7 @@ def in_processes(args: argparse.Namespace, argv: list[str]) -> None:
         speedup = f"{statistics.median(theirs):.2f}x ({min(theirs):.2f}-{max(theirs):.2f})" if theirs else "-"
         lines.append(
             f"| {row['case']} | {statistics.median(ours):.2f} ({min(ours):.2f}-{max(ours):.2f}) "
-            f"| {speedup} | {f'{target:.2f}' if target else '-'} | {met} |"
+            f"| {speedup} | {f'{target:.2f}' if target else '-'} | {met} |{before}"
         )
     markdown = "\n".join(lines)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -664,6 +689,9 @@ def main(argv: list[str] | None = None) -> None:
         help="the anchors to time beside ours (default: both on CUDA, none on the CPU)",
     )
     parser.add_argument("--budget-s", type=float, default=None, help="start no case after this many seconds")
+    parser.add_argument(
+        "--pytorch-path", action="store_true", help="also time ours-sdpa with the compiled CPU kernels off"
+    )
     parser.add_argument("--commit", default=None, help="the commit measured, for a tree that is not a git checkout")
     parser.add_argument("--parity", default=None, help=argparse.SUPPRESS)  # benchmarks.device_check's verdict
     args = parser.parse_args(argv)
@@ -743,8 +771,9 @@ def main(argv: list[str] | None = None) -> None:
                         release_memory(args.device)
                         backends_here = [b for b in backends if not (training and b == "flex_attention")]
                         built[layers, training] = build_models(
-                            layers, folder / f"l{layers}", backends_here, training, args.device, dtype
-                        )
+                            layers, folder / f"l{layers}", backends_here, training, args.device, dtype,
+                            pytorch_path=args.pytorch_path,
+                        )  # fmt: skip
                     row = time_case(built[layers, training], anchors, batch, length, training, repeats, args, dtype)
                     row = {"case": label, "layers": layers, **row}
                     report["training" if training else "inference"].append(row)
@@ -782,7 +811,9 @@ def main(argv: list[str] | None = None) -> None:
     names = (
         (["ours-eager"] if eager else [])
         + (["ours-flex_attention"] if args.flex else [])
-        + ["ours-sdpa", "transformers-deberta", "bert-sdpa"]
+        + ["ours-sdpa"]
+        + ([PYTORCH_PATH] if args.pytorch_path else [])
+        + ["transformers-deberta", "bert-sdpa"]
         + anchors
     )
     text = [

@@ -46,7 +46,7 @@ from .cpu_inference import KERNEL_TABLE_ELEMENTS
 from .disentangled_attention import PositionScores
 from .flex_attention import FLEX_AVAILABLE
 from .kernel_check import Kind, verdict
-from .native import attend_available, available, kernel_columns, why_unavailable, workspace_bytes
+from .native import attend_available, available, instruction_set, kernel_columns, why_unavailable, workspace_bytes
 from .triton_attention import (
     DTYPES,
     FAILED_LAUNCHES,
@@ -175,7 +175,13 @@ def switches() -> dict:
 
 
 # ---- The facts of the compiled CPU kernels (`native.py`): the one place the decision and `disentangled env` read
-# them (where an instruction-set choice will plug in). ----
+# them. ----
+
+
+def native_instruction_set() -> tuple[str, str]:
+    """The vector set the CPU kernels are built for here and why (`native.instruction_set`: the processor's best, or
+    DISENTANGLED_CPU_ISA's choice; "none" where they are off)."""
+    return instruction_set()
 
 
 def native_built() -> bool:

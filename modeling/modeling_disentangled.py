@@ -56,6 +56,7 @@ from .dispatch import call_facts, decide, switch_value
 from .flex_attention import flex_disentangled
 from .kernel_check import verdict as _verdict  # noqa: F401  (sdpa's self-check of the CUDA kernel; see above)
 from .native import available as _native_available  # noqa: F401  (see the note on cpu_inference above)
+from .native import warn_if_bfloat16_is_emulated
 from .sdpa_attention import dropout_keep_mask, sdpa_disentangled
 from .triton_attention import TRITON_AVAILABLE  # noqa: F401  (sdpa's CUDA kernel; see cpu_inference above)
 from .triton_tiles import TILES as _TILES  # noqa: F401  (the Triton kernel's tiles per GPU; see cpu_inference above)
@@ -512,6 +513,8 @@ class DisentangledEncoder(nn.Module):
         cu_seqlens: tuple[int, ...] | None = None,
     ) -> BaseModelOutput:
         """With `cu_seqlens`, `hidden_states` is [1, T, hidden]: packed sequences, bounds cu_seqlens[k:k + 2]."""
+        if hidden_states.device.type == "cpu" and not is_tracing():  # once: bfloat16 without bfloat16 arithmetic
+            warn_if_bfloat16_is_emulated(hidden_states.dtype)
         if cu_seqlens is None:
             length = hidden_states.shape[1]
         else:

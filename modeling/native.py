@@ -1,5 +1,5 @@
 """The CPU kernels of `position_bias.c`, compiled on first use: a block's position bias in one pass, and attention
-with the position terms made inside its tiles (bfloat16 on AMX, float32 with AVX-512).
+with the position terms made inside its tiles (bfloat16 on AMX, float32 with any vector set).
 
 `position_bias(...)` writes a block's bias c2p[i, δ(i - j)] + p2c[j, δ(i - j)] from the two tables in one pass,
 where PyTorch's operators need a gather or a transposing copy, and an add (`cpu_inference._KernelTables`).
@@ -8,11 +8,18 @@ the bias added tile by tile, flash attention's online softmax; no bias is writte
 `hankel_bias(...)` and `hankel_bias_backward(...)` are CPU training's: a block's bias with the keys in reverse order,
 and dS summed into the two tables' gradients (`sdpa_attention.BlockedAttention`).
 
-The C source ships with the package (not with the Hub bundle, which runs on PyTorch alone). On first use it is
-compiled with the system's C compiler (`cc -O3 -march=native -fopenmp -shared`, about a second) into a cache folder
-keyed by the source, the compiler and the processor's flags (DISENTANGLED_CACHE, else ~/.cache/disentangled),
-written under a temporary name and renamed, so that a failed or concurrent build leaves nothing half-written.
-Where that cannot happen (no source, no compiler, a failed build, a processor without AVX-512, not Linux, or
+The kernels are written once over a vector layer with three implementations (`position_bias_avx512.h`,
+`position_bias_avx2.h`, `position_bias_neon.h`); `instruction_set()` chooses one and says why: the best the
+processor has (AVX-512 F + BW, else AVX2 + FMA on x86-64; NEON on aarch64), or a lower one named by
+DISENTANGLED_CPU_ISA=avx512|avx2|neon|none (so that an AVX-512 machine can test and time the AVX2 build; "none" is
+the pure-PyTorch path). A set the processor does not run is a ValueError naming those it does.
+
+The C source and its headers ship with the package (not with the Hub bundle, which runs on PyTorch alone). On first
+use they are compiled with the system's C compiler (`cc -O3 -fopenmp -shared` and the set's flags, `SET_FLAGS`:
+-march=native for AVX-512, so that AMX comes with it where the processor has it; about a second) into a cache folder
+keyed by the sources, the compiler, the flags, the set and the processor's flags (DISENTANGLED_CACHE, else
+~/.cache/disentangled), written under a temporary name and renamed, so that a failed or concurrent build leaves
+nothing half-written. Where that cannot happen (no source, no compiler, a failed build, no vector set, not Linux, or
 DISENTANGLED_NATIVE=0) `available()` is False and the callers take the pure-PyTorch path; the tests compare both
 against eager.
 
@@ -21,14 +28,17 @@ In `modeling/`'s layering (`__init__.py`): layer 3, the compiled CPU kernels.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -37,6 +47,7 @@ from torch import Tensor
 from .workspace import int32_column, per_forward
 
 SOURCE = Path(__file__).with_name("position_bias.c")
+HEADERS = [SOURCE.with_name(f"position_bias_{name}.h") for name in ("avx512", "avx2", "neon")]
 
 
 class _BiasArgs(ctypes.Structure):
@@ -116,44 +127,166 @@ _lock = threading.Lock()
 
 
 def _cpu_flags() -> str:
+    """The processor's feature line of /proc/cpuinfo: x86's `flags`, aarch64's `Features` ("" where unreadable)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(("flags", "Features")):
                 return line
     except OSError:
         pass
     return ""
 
 
+def _aarch64_has_neon() -> bool:
+    """Advanced SIMD on aarch64: `asimd` in /proc/cpuinfo's Features, else the kernel's HWCAP bit (HWCAP_ASIMD)."""
+    line = _cpu_flags()
+    if line:
+        return "asimd" in line.partition(":")[2].split()
+    try:
+        getauxval = ctypes.CDLL(None).getauxval
+        getauxval.restype, getauxval.argtypes = ctypes.c_ulong, [ctypes.c_ulong]
+        return bool(getauxval(16) & (1 << 1))  # AT_HWCAP; HWCAP_ASIMD
+    except (OSError, AttributeError):
+        return False
+
+
+INSTRUCTION_SETS = ("avx512", "avx2", "neon", "none")
+
+
+def _processor_sets() -> tuple[list[str], str]:
+    """The vector sets this processor runs, best first ("none" last), and what they were read from."""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        flags = set(_cpu_flags().partition(":")[2].split())
+        sets = [
+            name for name, needs in (("avx512", {"avx512f", "avx512bw"}), ("avx2", {"avx2", "fma"})) if needs <= flags
+        ]
+        named = " ".join(flag for flag in ("avx2", "fma", "avx512f", "avx512bw", "amx_bf16") if flag in flags)
+        return [*sets, "none"], f"an x86-64 processor with {named or 'none of avx2, fma, avx512f, avx512bw'}"
+    if machine in ("aarch64", "arm64"):
+        if _aarch64_has_neon():
+            return ["neon", "none"], "an aarch64 processor with asimd (NEON)"
+        return ["none"], "an aarch64 processor without asimd"
+    return ["none"], f"a {machine or 'processor of unknown kind'} processor (kernels for x86-64 and aarch64 only)"
+
+
+def instruction_set() -> tuple[str, str]:
+    """The vector set the CPU kernels are built for here, and why: ("avx512" | "avx2" | "neon" | "none", reason).
+
+    The best the processor has, unless DISENTANGLED_CPU_ISA names another it runs (a lower one, to test or time it);
+    "none" (no kernels: the pure-PyTorch path) where it has none, where DISENTANGLED_NATIVE=0 turns them off, or off
+    Linux. Nothing is compiled to answer. Raises ValueError where DISENTANGLED_CPU_ISA names an unknown set or one
+    this processor does not run."""
+    requested = os.environ.get("DISENTANGLED_CPU_ISA", "").strip().lower()
+    if requested and requested not in INSTRUCTION_SETS:
+        raise ValueError(
+            f"DISENTANGLED_CPU_ISA={requested!r} is not an instruction set of the CPU kernels: set one of "
+            f"{', '.join(INSTRUCTION_SETS)}, or unset it for the best this processor has"
+        )
+    sets, processor = _processor_sets()
+    if requested and requested not in sets:
+        raise ValueError(
+            f"DISENTANGLED_CPU_ISA={requested}: this is {processor}, which runs {', '.join(sets)}; set one of those, "
+            "or unset it for the best this processor has"
+        )
+    if os.environ.get("DISENTANGLED_NATIVE", "1") == "0":
+        return "none", "turned off by DISENTANGLED_NATIVE=0"
+    if sys.platform != "linux":
+        return "none", f"the kernels are built on Linux only (this is {sys.platform})"
+    if requested:
+        return requested, f"DISENTANGLED_CPU_ISA={requested} ({processor}; its best is {sets[0]})"
+    if sets[0] == "none":
+        return "none", f"no vector set the kernels are written for ({processor})"
+    return sets[0], f"the best this processor has ({processor})"
+
+
+# bfloat16 without bfloat16 arithmetic: PyTorch's CPU operators convert to float32 and back around each product, so
+# every model (ours, transformers' DeBERTa, BERT) runs several times slower than in float32. Measured on a 2-core AMD
+# EPYC with AVX2 + FMA, no avx512_bf16 or AMX (torch 2.13, DeBERTa-v3-base shape, 2 layers): BFLOAT16_SLOWDOWN, the
+# bfloat16 time over the float32 time of ours-sdpa (benchmarks/records/run.jsonl, the two `benchmarks.run` records
+# of the note in docs/performance.md's CPU section).
+BFLOAT16_SLOWDOWN = "5 to 7 times"
+BFLOAT16_WARNING = "DISENTANGLED_BFLOAT16_WARNING"  # 0: no warning
+_bfloat16_checked: list[bool] = []
+
+
+def missing_bfloat16_arithmetic() -> list[str]:
+    """The extensions for bfloat16 arithmetic this processor lacks: on x86-64 avx512_bf16 and amx_bf16 (either one
+    serves PyTorch's bfloat16 products), on aarch64 bf16; [] where it has one (or on another processor)."""
+    machine = platform.machine().lower()
+    features = set(_cpu_flags().partition(":")[2].split())
+    if machine in ("x86_64", "amd64"):
+        wanted = ["avx512_bf16", "amx_bf16"]
+    elif machine in ("aarch64", "arm64"):
+        wanted = ["bf16"]
+    else:
+        return []
+    return [] if features & set(wanted) or not features else wanted
+
+
+def warn_if_bfloat16_is_emulated(dtype: torch.dtype) -> None:
+    """On the first forward in bfloat16 on the CPU (the model cast, or CPU autocast to bfloat16): one warning where
+    the processor has no bfloat16 arithmetic, naming what it lacks, the cost and the remedy. Silenced by
+    DISENTANGLED_BFLOAT16_WARNING=0."""
+    if _bfloat16_checked:
+        return
+    try:
+        autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    except (AttributeError, TypeError):  # torch before 2.4
+        autocast = False
+    if dtype != torch.bfloat16 and not autocast:
+        return
+    _bfloat16_checked.append(True)
+    missing = missing_bfloat16_arithmetic()
+    if not missing or os.environ.get(BFLOAT16_WARNING, "1") == "0":
+        return
+    warnings.warn(
+        f"bfloat16 on this CPU is emulated: it has no {' or '.join(missing)}, so PyTorch converts to float32 around "
+        f"each product, and a forward runs about {BFLOAT16_SLOWDOWN} slower than in float32 (measured on an AVX2 "
+        "EPYC; transformers' DeBERTa and BERT alike). Load the model in float32 (the default), or serve it in int8 "
+        f"(the manual's Serving page). Set {BFLOAT16_WARNING}=0 to silence this.",
+        stacklevel=3,
+    )
+
+
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-# -march=native: the processor's own extensions decide what is built (AVX-512 needed; AMX and AVX512-BF16 add the
-# bfloat16 attention); an implicit declaration is an error, so that a missing header fails the build, not the call.
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Werror=implicit-function-declaration")
+# Every build: an implicit declaration is an error, so that a missing header fails the build, not the call.
+BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Werror=implicit-function-declaration")
+# Each set's own: AVX-512 takes the processor's own extensions (-march=native: AMX and AVX512-BF16 add the bfloat16
+# attention where it has them), AVX2 the x86-64-v3 vector units and no AVX-512 even on a processor with it; NEON is
+# part of every aarch64 processor.
+SET_FLAGS = {"avx512": ("-march=native",), "avx2": ("-mavx2", "-mfma", "-mtune=native"), "neon": ()}
 
 
-def _build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
-    """Compile with `flags` (or find in the cache) and load the kernel; None, with the reason in `_state['why']`, if
-    it cannot."""
-    if os.environ.get("DISENTANGLED_NATIVE", "1") == "0":
-        _state["why"] = "turned off by DISENTANGLED_NATIVE=0"
+def flags_for(name: str) -> tuple[str, ...]:
+    """The compiler flags of the build for vector set `name` ("avx512", "avx2" or "neon")."""
+    return BASE_FLAGS[:1] + SET_FLAGS[name] + BASE_FLAGS[1:]
+
+
+def _build(flags: tuple[str, ...] | None = None, name: str | None = None) -> ctypes.CDLL | None:
+    """Compile for vector set `name` (default: `instruction_set()`'s) with `flags` (default: `flags_for(name)`), or
+    find it in the cache, and load the kernel; None, with the reason in `_state['why']`, if it cannot."""
+    chosen, reason = instruction_set()
+    name = name or chosen
+    if name == "none":
+        _state["why"] = reason
         return None
-    if sys.platform != "linux" or not SOURCE.is_file():
-        _state["why"] = "no kernel source here (the Hub bundle) or not Linux"
-        return None
-    if "avx512f" not in _cpu_flags().split():
-        _state["why"] = "the processor has no AVX-512"
+    if not SOURCE.is_file() or not all(header.is_file() for header in HEADERS):
+        _state["why"] = "no kernel source here (the Hub bundle)"
         return None
     compiler = _compiler()
     if compiler is None:
         _state["why"] = "no C compiler (cc, gcc or clang) on PATH"
         return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(), _cpu_flags().encode()]))
+    flags = flags or flags_for(name)
+    sources = [SOURCE.read_bytes(), *(header.read_bytes() for header in HEADERS)]
+    parts = [*sources, compiler.encode(), " ".join(flags).encode(), name.encode(), _cpu_flags().encode()]
+    key = hashlib.sha256(b"\0".join(parts))
     cache = Path(os.environ.get("DISENTANGLED_CACHE", Path.home() / ".cache" / "disentangled"))
-    library = cache / f"position_bias-{key.hexdigest()[:16]}.so"
+    library = cache / f"position_bias-{name}-{key.hexdigest()[:16]}.so"
     if not library.is_file():
         try:
             cache.mkdir(parents=True, exist_ok=True)
@@ -162,7 +295,8 @@ def _build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
                 subprocess.run([compiler, *flags, str(SOURCE), "-o", str(partial)], check=True, capture_output=True)
                 os.replace(partial, library)
         except (OSError, subprocess.CalledProcessError) as error:
-            _state["why"] = f"compiling {SOURCE.name} failed: {error}"
+            detail = getattr(error, "stderr", b"") or b""
+            _state["why"] = f"compiling {SOURCE.name} failed: {error} {detail.decode(errors='replace')[-300:]}".strip()
             return None
     try:
         loaded = ctypes.CDLL(str(library))
@@ -173,13 +307,15 @@ def _build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
     loaded.position_bias.restype = ctypes.c_int
     loaded.attend.argtypes = [ctypes.POINTER(_AttendArgs), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     loaded.attend.restype = ctypes.c_int
-    for name in ("hankel_bias", "hankel_bias_backward"):
-        getattr(loaded, name).argtypes = [ctypes.POINTER(_HankelArgs), ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-        getattr(loaded, name).restype = ctypes.c_int
+    for kernel in ("hankel_bias", "hankel_bias_backward"):
+        getattr(loaded, kernel).argtypes = [ctypes.POINTER(_HankelArgs), ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+        getattr(loaded, kernel).restype = ctypes.c_int
     loaded.workspace_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
     loaded.workspace_bytes.restype = ctypes.c_int64
-    if not loaded.has_avx512():
-        _state["why"] = "the compiler did not target AVX-512"
+    loaded.instruction_set.restype = ctypes.c_char_p
+    built = loaded.instruction_set().decode()
+    if built != name:
+        _state["why"] = f"the compiler built {SOURCE.name} for {built}, not {name} (flags {' '.join(flags)})"
         return None
     return loaded
 
@@ -192,8 +328,22 @@ def _library() -> ctypes.CDLL | None:
     return _state["library"]
 
 
+@contextlib.contextmanager
+def turned_off():
+    """Within the block the kernels are off, as on a processor without them (every caller takes the pure-PyTorch
+    path): `benchmarks.run --pytorch-path` times that path beside the kernels' in one process. Not thread-safe."""
+    saved = dict(_state)
+    _state.clear()
+    _state.update(library=None, attend=False, why="turned off for this call (native.turned_off)")
+    try:
+        yield
+    finally:
+        _state.clear()
+        _state.update(saved)
+
+
 def available() -> bool:
-    """Whether the kernel can run here (compiles it on the first call)."""
+    """Whether the kernel can run here (compiles it on the first call): built for `instruction_set()`'s set."""
     return _library() is not None
 
 
@@ -268,7 +418,7 @@ def hankel_bias(out: Tensor, c2p: Tensor | None, p2c: Tensor | None, column: Ten
     output's dtype with a contiguous last dimension; either may be None. column: int32, the table column of row a
     and key b at a + b (from the block's first row on; at least n + L - 1 of them). `tiled`: 16 consecutive entries
     of `column` ascend within 16 consecutive columns (`RelativePositions.kernel_columns` is not None), so that whole
-    16 x 16 tiles run with AVX-512; else element by element."""
+    16 x 16 tiles run with vectors; else element by element."""
     return _hankel("hankel_bias", out, c2p, p2c, column, tiled, add_p2c=False)
 
 
@@ -313,7 +463,7 @@ def _hankel(name, scores: Tensor, c2p: Tensor | None, p2c: Tensor | None, column
 
 def attend_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether `attend` can run here in `dtype`: bfloat16 needs the kernel built with AMX and AVX512-BF16 (a
-    processor that has them) and this process allowed the AMX tiles; float32 needs the kernel (AVX-512)."""
+    processor that has them) and this process allowed the AMX tiles; float32 needs the kernel (any vector set)."""
     if dtype == torch.float32:
         return available()
     if dtype != torch.bfloat16:
@@ -350,7 +500,7 @@ def attend(
     workspace: Tensor,
 ) -> Tensor:
     """Attention with the position terms made inside the tile (`position_bias.c`, attend), in bfloat16 on AMX or in
-    float32 with AVX-512:
+    float32 with the vector set built:
     out [g, L, H, 64] = softmax(scale q kᵀ + c2p + p2c) v over the keys of `keys` that `keep` marks 1, for query,
     key and value [g, H, L, 64] (any strides with a contiguous last dimension), where c2p[i, j] = q_i . Kr[c(i - j)]
     and p2c[i, j] = k_j . Qr[c(i - j)] with the columns `column` and `c2p_column` of `position_bias`; `pos_key` is

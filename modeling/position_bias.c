@@ -10,8 +10,12 @@
    descending) both terms read their columns in ascending order: c2p_column[m] = W - 1 - column[2L - 2 - m] at
    m = L - 1 - i + j. Each sum is taken in float32 and rounded once to the output's type, as torch's add does.
 
-   Compiled once on first use by native.py (cc -O3 -march=native -fopenmp). Whole 16 x 16 tiles run with AVX-512,
-   the rest one element at a time. In a tile, the 16 columns that 16 consecutive distances read lie within 16
+   Compiled once on first use by native.py (cc -O3 -fopenmp and the instruction set's flags). Whole 16 x 16 tiles
+   run with vectors of 16 float32 lanes, the rest one element at a time. The kernels are written once over a small
+   vector layer, one header of inline functions per instruction set, chosen by the compiler's predefined macros:
+   AVX-512 (position_bias_avx512.h), AVX2 + FMA (position_bias_avx2.h) and aarch64's NEON (position_bias_neon.h);
+   position_bias_avx512.h says what each function does. Built for none of them, instruction_set() says "none" and
+   native.py does not use the library. In a tile, the 16 columns that 16 consecutive distances read lie within 16
    consecutive table columns (native.py checks it), so each term is one load of 16 columns, permuted where the
    columns are not 16 distinct ones (the log buckets) -- no gathers, which are slow on Xeons with the GDS
    mitigation. c2p is read along the tile's rows; p2c along its columns (one key's 16 rows) and transposed in
@@ -22,18 +26,30 @@
 
    Below position_bias(), hankel_bias() and hankel_bias_backward() make CPU training's bias, with the keys in reverse
    order, and sum its gradient into the tables; then attend() runs the whole attention with the tile code inside it
-   (the bias never written): on the AMX tiles in bfloat16, and with AVX-512 products in float32. */
+   (the bias never written): on the AMX tiles in bfloat16 (AVX-512 only), and with vector products in float32. */
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
+#ifdef _OPENMP
 #include <omp.h>
-#define HAVE_AVX512 1
+#else
+static inline int omp_get_thread_num(void) { return 0; }
 #endif
-#if defined(HAVE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include "position_bias_avx512.h"
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "position_bias_avx2.h"
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include "position_bias_neon.h"
+#endif
+#ifdef VECTOR_SET
+#define HAVE_VECTORS 1
+#endif
+/* AMX's macros: __AMX_TILE__ (gcc, newer clang) or __AMXTILE__ (clang before 16) */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
+    (defined(__AMX_TILE__) || defined(__AMXTILE__)) && (defined(__AMX_BF16__) || defined(__AMXBF16__))
 #define HAVE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -74,84 +90,30 @@ static inline float element(const void *table, int64_t index, int bf16) {
     return bf16 ? from_bf16(((const uint16_t *)table)[index]) : ((const float *)table)[index];
 }
 
-#ifdef HAVE_AVX512
+#ifdef HAVE_VECTORS
 /* 16 consecutive elements from `index` on, as float32 (bfloat16: the 16 bits become the high half). */
-static inline __m512 load16(const void *table, int64_t index, int bf16) {
-    if (bf16) {
-        __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)table + index));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-    }
-    return _mm512_loadu_ps((const float *)table + index);
-}
-
-/* The lanes from columns[0] to columns[15]: what a tile's row reads or writes of a table row. */
-static inline __mmask16 span16(const int32_t *columns) {
-    return (__mmask16)((1u << (columns[15] - columns[0] + 1)) - 1u);
+static inline f32x16 load16(const void *table, int64_t index, int bf16) {
+    return bf16 ? v_load_bf16((const uint16_t *)table + index) : v_load((const float *)table + index);
 }
 
 /* The 16 table elements of a row (or key) that 16 ascending columns name: one load from the lowest, permuted
    unless the columns are 16 consecutive ones. The load takes 16 elements (the tables of position_bias and attend
    have 15 spare after them), or, `to_last`, stops at the last column named (the training tables have none). */
-static inline __attribute__((always_inline)) __m512 columns16(const void *table, int64_t row, const int32_t *columns,
+static inline __attribute__((always_inline)) f32x16 columns16(const void *table, int64_t row, const int32_t *columns,
                                                               int bf16, const int to_last) {
     const int32_t lowest = columns[0];
-    __m512 loaded;
-    if (!to_last) {
-        loaded = load16(table, row + lowest, bf16);
-    } else if (bf16) {
-        const __m256i half = _mm256_maskz_loadu_epi16(span16(columns), (const uint16_t *)table + row + lowest);
-        loaded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-    } else {
-        loaded = _mm512_maskz_loadu_ps(span16(columns), (const float *)table + row + lowest);
-    }
-    if (columns[15] - lowest == 15) return loaded;
-    const __m512i c = _mm512_loadu_si512((const void *)columns);
-    return _mm512_permutexvar_ps(_mm512_sub_epi32(c, _mm512_set1_epi32(lowest)), loaded);
+    const int span = columns[15] - lowest + 1;
+    f32x16 loaded;
+    if (!to_last) loaded = load16(table, row + lowest, bf16);
+    else if (bf16) loaded = v_load_bf16_first((const uint16_t *)table + row + lowest, span);
+    else loaded = v_load_first((const float *)table + row + lowest, span);
+    if (span == 16) return loaded;
+    return v_permute(loaded, columns, lowest);
 }
 
-static inline __m256i round_bf16(__m512 value) {
-    __m512i u = _mm512_castps_si512(value);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
-    __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
-}
-
-static inline void store16(void *out, int64_t index, __m512 sum, __mmask16 masked, int bf16) {
-    if (bf16) {
-        __m256i rounded = round_bf16(sum);
-        rounded = _mm256_mask_mov_epi16(rounded, masked, _mm256_set1_epi16((int16_t)LOWEST_BF16));
-        _mm256_storeu_si256((__m256i *)((uint16_t *)out + index), rounded);
-    } else {
-        _mm512_storeu_ps((float *)out + index, _mm512_mask_mov_ps(sum, masked, _mm512_set1_ps(LOWEST_F32)));
-    }
-}
-
-/* In place: row r of the 16 x 16 block becomes its column r. */
-static inline void transpose16(__m512 m[16]) {
-    __m512 t[16];
-    for (int r = 0; r < 16; r += 2) { /* pairs of rows, interleaved */
-        t[r] = _mm512_unpacklo_ps(m[r], m[r + 1]);
-        t[r + 1] = _mm512_unpackhi_ps(m[r], m[r + 1]);
-    }
-    for (int r = 0; r < 16; r += 4) { /* m[r + s]: rows r .. r + 3 at column 4l + s of each 128-bit lane l */
-        for (int h = 0; h < 2; h++) {
-            __m512d a = _mm512_castps_pd(t[r + h]), b = _mm512_castps_pd(t[r + h + 2]);
-            m[r + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-            m[r + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-        }
-    }
-    for (int r = 0; r < 16; r += 8) { /* lanes of rows r .. r + 7: columns s, 8 + s | 4 + s, 12 + s */
-        for (int s = 0; s < 4; s++) {
-            t[r + s] = _mm512_shuffle_f32x4(m[r + s], m[r + s + 4], 0x88);
-            t[r + s + 4] = _mm512_shuffle_f32x4(m[r + s], m[r + s + 4], 0xdd);
-        }
-    }
-    for (int s = 0; s < 8; s++) { /* all 16 rows */
-        m[s] = _mm512_shuffle_f32x4(t[s], t[s + 8], 0x88);
-        m[s + 8] = _mm512_shuffle_f32x4(t[s], t[s + 8], 0xdd);
-    }
+static inline void store16(void *out, int64_t index, f32x16 sum, mask16 masked, int bf16) {
+    if (bf16) b_store((uint16_t *)out + index, b_select(masked, LOWEST_BF16, v_round_bf16(sum)));
+    else v_store((float *)out + index, v_select(masked, v_set1(LOWEST_F32), sum));
 }
 #endif
 
@@ -174,7 +136,7 @@ static inline float bias_at(const Terms *s, int64_t a, int64_t b, const int bf16
     return sum;
 }
 
-#ifdef HAVE_AVX512
+#ifdef HAVE_VECTORS
 /* p2c at the table's first and last column for each of the first `keys` keys, into edges[0 .. 2 keys). */
 static void fill_edges(Terms *s, float *edges, int64_t keys, const int bf16) {
     const int32_t first_column = s->forward[0], last_column = s->forward[2 * s->length - 2];
@@ -194,21 +156,20 @@ static inline int beyond_reach(const Terms *s, int32_t from, int32_t to) {
 
 /* m[r] = c2p + p2c of row a0 + r against keys b0 .. b0 + 15: a whole tile inside the tables, each sum in float32.
    The flags are constants at each call, so that every case compiles on its own. */
-static inline __attribute__((always_inline)) void bias_tile(const Terms *s, int64_t a0, int64_t b0, __m512 m[16],
+static inline __attribute__((always_inline)) void bias_tile(const Terms *s, int64_t a0, int64_t b0, f32x16 m[16],
                                                            const int bf16, const int with_c2p, const int with_p2c) {
     const int64_t L = s->length, i0 = s->first_row + a0, j0 = s->first_key + b0;
     const int32_t *forward = s->forward;
     const int32_t nearest = forward[i0 - (j0 + 15) + L - 1], farthest = forward[i0 + 15 - j0 + L - 1];
     if (beyond_reach(s, nearest, farthest)) {
         /* beyond the reach: every distance of the tile reads one column, a row constant plus a key bias */
-        const __m512 key_bias =
-            with_p2c ? _mm512_loadu_ps(s->edges + (nearest == forward[0] ? 0 : s->edge_keys) + b0) : _mm512_setzero_ps();
+        const f32x16 key_bias = with_p2c ? v_load(s->edges + (nearest == forward[0] ? 0 : s->edge_keys) + b0) : v_zero();
         const int32_t c2p_at = s->c2p_column[L - 1 - i0 + j0];
         for (int r = 0; r < 16; r++) {
             m[r] = key_bias;
             if (with_c2p) {
-                const __m512 constant = _mm512_set1_ps(element(s->t, (a0 + r) * s->t_row + c2p_at, bf16));
-                m[r] = with_p2c ? _mm512_add_ps(constant, key_bias) : constant;
+                const f32x16 constant = v_set1(element(s->t, (a0 + r) * s->t_row + c2p_at, bf16));
+                m[r] = with_p2c ? v_add(constant, key_bias) : constant;
             }
         }
         return;
@@ -216,12 +177,12 @@ static inline __attribute__((always_inline)) void bias_tile(const Terms *s, int6
     if (with_p2c) { /* key j0 + r over rows i0 .. i0 + 15: distances i - j ascending */
         for (int r = 0; r < 16; r++)
             m[r] = columns16(s->u, (b0 + r) * s->u_row, forward + (i0 - (j0 + r) + L - 1), bf16, 0);
-        transpose16(m);
+        v_transpose16(m);
     }
     for (int r = 0; r < 16; r++) { /* row i0 + r over keys j0 .. j0 + 15 */
         if (!with_c2p) continue;
-        const __m512 c2p = columns16(s->t, (a0 + r) * s->t_row, s->c2p_column + (L - 1 - (i0 + r) + j0), bf16, 0);
-        m[r] = with_p2c ? _mm512_add_ps(c2p, m[r]) : c2p;
+        const f32x16 c2p = columns16(s->t, (a0 + r) * s->t_row, s->c2p_column + (L - 1 - (i0 + r) + j0), bf16, 0);
+        m[r] = with_p2c ? v_add(c2p, m[r]) : c2p;
     }
 }
 #endif
@@ -245,7 +206,7 @@ static inline __attribute__((always_inline)) void bias_plane(const BiasArgs *arg
     char *out = (char *)args->out + (sequence * args->heads + head) * args->rows * args->keys * size;
     const int64_t rows = args->rows, keys = args->keys;
     int64_t tiled_rows = 0, tiled_keys = 0;
-#ifdef HAVE_AVX512
+#ifdef HAVE_VECTORS
     tiled_rows = rows / 16 * 16;
     tiled_keys = keys / 16 * 16;
     float *edges = with_p2c ? malloc(sizeof(float) * 2 * (tiled_keys + 1)) : NULL;
@@ -253,9 +214,8 @@ static inline __attribute__((always_inline)) void bias_plane(const BiasArgs *arg
     if (edges) fill_edges(&s, edges, tiled_keys, bf16);
     for (int64_t a0 = 0; a0 < tiled_rows; a0 += 16) {
         for (int64_t b0 = 0; b0 < tiled_keys; b0 += 16) {
-            __mmask16 masked = 0;
-            if (keep) masked = _mm_cmpeq_epi8_mask(_mm_loadu_si128((const __m128i *)(keep + b0)), _mm_setzero_si128());
-            __m512 m[16];
+            const mask16 masked = keep ? m_zero_bytes(keep + b0) : 0;
+            f32x16 m[16];
             bias_tile(&s, a0, b0, m, bf16, with_c2p, with_p2c);
             for (int r = 0; r < 16; r++) store16(out, (a0 + r) * keys + b0, m[r], masked, bf16);
         }
@@ -306,7 +266,7 @@ int position_bias(const BiasArgs *args, int64_t element_size, int64_t planes, in
    float32 band, which is then written to (or added to) the table.
 
    `tiled` (the columns of 16 consecutive distances lie within 16 consecutive table columns, as position_bias's
-   tiles need): whole 16 x 16 tiles run with AVX-512. In a tile the 16 columns of row a0 + r (keys b0 ..) and of
+   tiles need): whole 16 x 16 tiles run with vectors. In a tile the 16 columns of row a0 + r (keys b0 ..) and of
    key b0 + r (rows a0 ..) are both column[a0 + b0 + r ..], so each row of T and each row of U is read with one
    load of those columns, permuted (U's along the tile's columns, transposed in registers); the backward transposes
    dS's tiles the same way for dU and adds each row's 16 values into its 16 columns of the band, summing those that
@@ -322,7 +282,7 @@ typedef struct {
     int64_t u_sequence, u_head, u_row;
     const int32_t *column;              /* [rows + keys - 1]: the table column of row a and key b at a + b */
     int64_t heads, rows, keys, width;
-    int64_t tiled;                      /* whole tiles with AVX-512 (see above) */
+    int64_t tiled;                      /* whole tiles with vectors (see above) */
     int64_t add_u;                      /* hankel_bias_backward: add to dU (else write it, zero where unread) */
 } HankelArgs;
 
@@ -333,20 +293,19 @@ static inline void put(void *table, int64_t index, float value, const int bf16) 
         ((float *)table)[index] = value;
 }
 
-#ifdef HAVE_AVX512
+#ifdef HAVE_VECTORS
 /* band[row + columns[t]] += values[t] for t = 0 .. 15 (ascending columns, within 16 of the first), in float32:
    values that share a column are summed first, then one masked add over the columns' span. */
-static inline void add16(float *band, int64_t row, const int32_t *columns, __m512 values) {
+static inline void add16(float *band, int64_t row, const int32_t *columns, f32x16 values) {
     const int32_t lowest = columns[0];
-    const __mmask16 span = span16(columns);
-    if (columns[15] - lowest != 15) { /* some share a column: sum them into their column's lane */
+    const int span = columns[15] - lowest + 1;
+    if (span != 16) { /* some share a column: sum them into their column's lane */
         float in[16], sums[16] = {0};
-        _mm512_storeu_ps(in, values);
+        v_store(in, values);
         for (int t = 0; t < 16; t++) sums[columns[t] - lowest] += in[t];
-        values = _mm512_loadu_ps(sums);
+        values = v_load(sums);
     }
-    float *at = band + row + lowest;
-    _mm512_mask_storeu_ps(at, span, _mm512_add_ps(_mm512_maskz_loadu_ps(span, at), values));
+    v_add_into_first(band + row + lowest, values, span);
 }
 #endif
 
@@ -357,7 +316,7 @@ static inline __attribute__((always_inline)) void hankel_plane(const HankelArgs 
     const char *u = with_u ? (const char *)x->u + (sequence * x->u_sequence + head * x->u_head) * size : NULL;
     char *out = (char *)x->scores + plane * x->rows * x->keys * size;
     int64_t tiled_rows = 0, tiled_keys = 0;
-#ifdef HAVE_AVX512
+#ifdef HAVE_VECTORS
     if (x->tiled) {
         tiled_rows = x->rows / 16 * 16;
         tiled_keys = x->keys / 16 * 16;
@@ -365,15 +324,15 @@ static inline __attribute__((always_inline)) void hankel_plane(const HankelArgs 
     for (int64_t a0 = 0; a0 < tiled_rows; a0 += 16) {
         for (int64_t b0 = 0; b0 < tiled_keys; b0 += 16) {
             const int32_t *column = x->column + a0 + b0;
-            __m512 m[16];
+            f32x16 m[16];
             if (with_u) { /* key b0 + r over rows a0 .. a0 + 15 */
                 for (int r = 0; r < 16; r++) m[r] = columns16(u, (b0 + r) * x->u_row, column + r, bf16, 1);
-                transpose16(m);
+                v_transpose16(m);
             }
             for (int r = 0; r < 16; r++) { /* row a0 + r over keys b0 .. b0 + 15 */
                 if (with_t) {
-                    const __m512 c2p = columns16(t, (a0 + r) * x->t_row, column + r, bf16, 1);
-                    m[r] = with_u ? _mm512_add_ps(c2p, m[r]) : c2p;
+                    const f32x16 c2p = columns16(t, (a0 + r) * x->t_row, column + r, bf16, 1);
+                    m[r] = with_u ? v_add(c2p, m[r]) : c2p;
                 }
                 store16(out, (a0 + r) * x->keys + b0, m[r], 0, bf16);
             }
@@ -426,12 +385,12 @@ static inline __attribute__((always_inline)) void sum_lines(const HankelArgs *x,
                                                            const int keys, const int bf16) {
     const int64_t W = x->width, line_stride = keys ? 1 : x->keys, along_stride = keys ? x->keys : 1;
     memset(band, 0, 16 * W * sizeof(float));
-#ifdef HAVE_AVX512
+#ifdef HAVE_VECTORS
     for (int64_t s0 = 0; s0 < tiled; s0 += 16) {
-        __m512 m[16];
+        f32x16 m[16];
         for (int r = 0; r < 16; r++) /* dS's row r of the tile: line r (dT) or position s0 + r along (dU) */
             m[r] = keys ? load16(grad, (s0 + r) * x->keys + first, bf16) : load16(grad, (first + r) * x->keys + s0, bf16);
-        if (keys) transpose16(m);
+        if (keys) v_transpose16(m);
         for (int r = 0; r < 16; r++) add16(band, r * W, x->column + first + s0 + r, m[r]);
     }
 #else
@@ -543,51 +502,34 @@ int64_t workspace_bytes(int64_t keys, int64_t width) {
     return packed_bytes(padded) + (padded * width + 16) * 4 + padded * 2 * 4 + (ROW_GROUP * QUERY_ROWS * width + 16) * 4 + 64;
 }
 
-#ifdef HAVE_AVX512
-/* e^x in float32 for x <= 0: 2^n e^r with n = round(x / ln 2), r = x - n ln 2 in two parts, e^r by its Taylor
-   polynomial to r^6 (|r| <= ln 2 / 2: relative error under 2e-7). Below -87 (-inf included) it is exactly 0: the
-   result would be subnormal there, and arithmetic on subnormals takes the processor's slow path. */
-static inline __m512 exp16(__m512 x) {
-    const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(normal, p, n);
-}
-
+#ifdef HAVE_VECTORS
 /* Keys b0 .. b0 + 15 of 16 score rows (row stride KEY_BLOCK) holding q . k: scale them and add the position terms
    (rows and keys past the last take the element-by-element edge), -inf for the keys past the last and those that
    keep leaves out. */
 static inline void add_position_terms(const Terms *s, float *tile, int64_t b0, int64_t rows, int64_t keys,
                                       const uint8_t *keep, float scale) {
     if (b0 >= keys) {
-        for (int r = 0; r < 16; r++) _mm512_storeu_ps(tile + r * KEY_BLOCK, _mm512_set1_ps(-INFINITY));
+        for (int r = 0; r < 16; r++) v_store(tile + r * KEY_BLOCK, v_set1(-INFINITY));
         return;
     }
-    __mmask16 out = b0 + 16 > keys ? (__mmask16)(0xffff << (keys - b0)) : 0; /* past the last key */
+    mask16 out = b0 + 16 > keys ? (mask16)(0xffff << (keys - b0)) : 0; /* past the last key */
     if (keep) {
-        __m128i flags = _mm_setzero_si128();
-        if (b0 + 16 <= keys) flags = _mm_loadu_si128((const __m128i *)(keep + b0));
-        else memcpy(&flags, keep + b0, (size_t)(keys - b0));
-        out |= _mm_cmpeq_epi8_mask(flags, _mm_setzero_si128());
+        if (b0 + 16 <= keys) {
+            out |= m_zero_bytes(keep + b0);
+        } else {
+            uint8_t flags[16] = {0};
+            memcpy(flags, keep + b0, (size_t)(keys - b0));
+            out |= m_zero_bytes(flags);
+        }
     }
     if (rows == QUERY_ROWS && b0 + 16 <= keys / 16 * 16) {
-        __m512 m[16];
+        f32x16 m[16];
         if (s->t && s->u) bias_tile(s, 0, b0, m, 0, 1, 1);
         else if (s->t) bias_tile(s, 0, b0, m, 0, 1, 0);
         else bias_tile(s, 0, b0, m, 0, 0, 1);
         for (int r = 0; r < 16; r++) {
-            const __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(tile + r * KEY_BLOCK), _mm512_set1_ps(scale), m[r]);
-            _mm512_storeu_ps(tile + r * KEY_BLOCK, _mm512_mask_mov_ps(v, out, _mm512_set1_ps(-INFINITY)));
+            const f32x16 v = v_fmadd(v_load(tile + r * KEY_BLOCK), v_set1(scale), m[r]);
+            v_store(tile + r * KEY_BLOCK, v_select(out, v_set1(-INFINITY), v));
         }
         return;
     }
@@ -624,56 +566,37 @@ static inline void u_columns(const AttendArgs *x, int64_t b0, int64_t row_first,
     columns_read(x->column, row_first - (j + 15) + L - 1, row_last - 1 - j + L - 1, L, x->width, first, last);
 }
 
-/* Into L2, the lines of U (p2c, float32) that the next block of rows (16 from row `next`) reads for keys b_first
-   .. b_last - 1 inside the buckets' reach: each key's run of 16 columns is a line of its own row of U, read once
-   per block and 2 KiB or more from the next key's, so that without this every one was a miss to the last-level
-   cache. bfloat16 only: float32's products take long enough to hide them. */
-static inline void prefetch_u(const Terms *s, int64_t next, int64_t b_first, int64_t b_last) {
-    const int64_t L = s->length;
-    if (!s->u || next >= L) return;
-    for (int64_t b = b_first; b < b_last; b++) {
-        int64_t low = next - (s->first_key + b) + L - 1, high = low + 15;
-        high = high > 2 * L - 2 ? 2 * L - 2 : high;
-        const int32_t from = s->forward[low], to = s->forward[high];
-        if (beyond_reach(s, from, to)) continue; /* the tile reads the edges, not U */
-        const float *row = (const float *)s->u + b * s->u_row;
-        _mm_prefetch((const char *)(row + from), _MM_HINT_T1);
-        _mm_prefetch((const char *)(row + to), _MM_HINT_T1);
-    }
-}
-
 /* The online softmax over one block of 16 x KEY_BLOCK scores: weights = e^(score - running maximum), in bfloat16 or
    float32; the running maximum and sum of each row; and the factor that rescales the row's context so far. */
 static inline __attribute__((always_inline)) void online_softmax(const float *scores, float *maximum, float *total,
                                                                 float *rescale, void *weights, const int bf16) {
+    (void)bf16; /* bfloat16 weights only with AMX */
     for (int r = 0; r < QUERY_ROWS; r++) {
         const float *row = scores + r * KEY_BLOCK;
-        __m512 v[KEY_BLOCK / 16], highest = _mm512_set1_ps(-INFINITY);
+        f32x16 v[KEY_BLOCK / 16], highest = v_set1(-INFINITY);
         for (int c = 0; c < KEY_BLOCK / 16; c++) {
-            v[c] = _mm512_loadu_ps(row + 16 * c);
-            highest = _mm512_max_ps(highest, v[c]);
+            v[c] = v_load(row + 16 * c);
+            highest = v_max(highest, v[c]);
         }
-        const float block_highest = _mm512_reduce_max_ps(highest);
+        const float block_highest = v_reduce_max(highest);
         const float updated = block_highest > maximum[r] ? block_highest : maximum[r];
         /* 0, not a subnormal, where the maximum rose by more than 87 (see exp16) */
         rescale[r] = updated == -INFINITY ? 1.0f : maximum[r] - updated < -87.0f ? 0.0f : expf(maximum[r] - updated);
         maximum[r] = updated;
-        const __m512 shift = _mm512_set1_ps(updated == -INFINITY ? 0.0f : updated);
-        __m512 sum = _mm512_setzero_ps();
+        const f32x16 shift = v_set1(updated == -INFINITY ? 0.0f : updated);
+        f32x16 sum = v_zero();
         for (int c = 0; c < KEY_BLOCK / 16; c++) {
-            const __m512 w = exp16(_mm512_sub_ps(v[c], shift));
-            sum = _mm512_add_ps(sum, w);
+            const f32x16 w = v_exp(v_sub(v[c], shift));
+            sum = v_add(sum, w);
+#ifdef HAVE_AMX /* bfloat16 weights for AMX's products (bf16 is 0 without AMX) */
             if (bf16) {
-#ifdef __AVX512BF16__
                 _mm256_storeu_si256((__m256i *)((uint16_t *)weights + r * KEY_BLOCK + 16 * c), (__m256i)_mm512_cvtneps_pbh(w));
-#else
-                _mm256_storeu_si256((__m256i *)((uint16_t *)weights + r * KEY_BLOCK + 16 * c), round_bf16(w));
-#endif
-            } else {
-                _mm512_storeu_ps((float *)weights + r * KEY_BLOCK + 16 * c, w);
+                continue;
             }
+#endif
+            v_store((float *)weights + r * KEY_BLOCK + 16 * c, w);
         }
-        total[r] = total[r] * rescale[r] + _mm512_reduce_add_ps(sum);
+        total[r] = total[r] * rescale[r] + v_reduce_add(sum);
     }
 }
 
@@ -716,11 +639,11 @@ static void finish_group(const Group *group, const AttendArgs *x, int64_t sequen
     for (int64_t g = 0; g < group->count; g++) {
         const int64_t at = sequence * x->out_sequence + head * x->out_head + (group->first_row + g * QUERY_ROWS) * x->out_row;
         for (int64_t r = 0; r < group->rows[g]; r++) {
-            const __m512 inverse = _mm512_set1_ps(group->total[g][r] > 0.0f ? 1.0f / group->total[g][r] : 0.0f);
+            const f32x16 inverse = v_set1(group->total[g][r] > 0.0f ? 1.0f / group->total[g][r] : 0.0f);
             for (int c = 0; c < DIM; c += 16) {
-                const __m512 value = _mm512_mul_ps(_mm512_loadu_ps(group->context[g] + r * DIM + c), inverse);
-                if (bf16) _mm256_storeu_si256((__m256i *)(x->out + at + r * x->out_row + c), round_bf16(value));
-                else _mm512_storeu_ps((float *)x->out + at + r * x->out_row + c, value);
+                const f32x16 value = v_mul(v_load(group->context[g] + r * DIM + c), inverse);
+                if (bf16) b_store(x->out + at + r * x->out_row + c, v_round_bf16(value));
+                else v_store((float *)x->out + at + r * x->out_row + c, value);
             }
         }
     }
@@ -734,6 +657,24 @@ typedef struct {
     uint16_t bytes_per_row[16];
     uint8_t rows[16];
 } TileConfig;
+
+/* Into L2, the lines of U (p2c, float32) that the next block of rows (16 from row `next`) reads for keys b_first
+   .. b_last - 1 inside the buckets' reach: each key's run of 16 columns is a line of its own row of U, read once
+   per block and 2 KiB or more from the next key's, so that without this every one was a miss to the last-level
+   cache. bfloat16 only: float32's products take long enough to hide them. */
+static inline void prefetch_u(const Terms *s, int64_t next, int64_t b_first, int64_t b_last) {
+    const int64_t L = s->length;
+    if (!s->u || next >= L) return;
+    for (int64_t b = b_first; b < b_last; b++) {
+        int64_t low = next - (s->first_key + b) + L - 1, high = low + 15;
+        high = high > 2 * L - 2 ? 2 * L - 2 : high;
+        const int32_t from = s->forward[low], to = s->forward[high];
+        if (beyond_reach(s, from, to)) continue; /* the tile reads the edges, not U */
+        const float *row = (const float *)s->u + b * s->u_row;
+        _mm_prefetch((const char *)(row + from), _MM_HINT_T1);
+        _mm_prefetch((const char *)(row + to), _MM_HINT_T1);
+    }
+}
 
 /* out[16, W] at columns [first, last) = the 16 rows in tiles 4 and 5 against the relative rows packed as key tiles. */
 static void table_rows(const uint32_t *packed, int64_t width, float *out, int64_t first, int64_t last) {
@@ -776,7 +717,7 @@ static void pack_plane(const AttendArgs *x, int64_t sequence, int64_t head, int6
             __m512 m[16];
             for (int n = 0; n < 16; n++)
                 m[n] = j0 + n < keys ? _mm512_loadu_ps((const float *)(k + (j0 + n) * x->key_row + 32 * h)) : _mm512_setzero_ps();
-            transpose16(m);
+            v_transpose16(m);
             for (int r = 0; r < 16; r++) _mm512_storeu_ps((float *)(key_tiles + ((j0 / 16) * 2 + h) * 256 + r * 16), m[r]);
         }
         if (x->pos_query && j0 < keys) { /* U of these 16 keys */
@@ -886,36 +827,56 @@ static void attend_rows(const AttendArgs *x, int64_t sequence, int64_t head, int
 }
 #endif
 
-/* ---- The same attention in float32, with AVX-512 products (no AMX) ----
+/* ---- The same attention in float32, with vector products (no AMX) ----
 
-   The same tile code; q k^T, p v, T and U are products of 16 rows against 16 columns in 16 registers (one
-   broadcast and one fused multiply-add per row and dimension), the keys packed as 16-key columns
+   The same tile code; q k^T, p v, T and U are products of 16 rows against 16 columns, PRODUCT_ROWS rows at a time
+   with their sums in registers (one broadcast and one fused multiply-add per row and dimension), the keys packed as 16-key columns
    ([keys / 16][64][16]), the values copied into rows of 64; and ROW_GROUP blocks of 16 rows share each sweep over
    the keys (a plane's keys and values, twice bfloat16's, outgrow the L2 cache from about 4,096 tokens). */
 
-#ifdef HAVE_AVX512
-/* acc[r] = a[r] . b[:, c] for 16 rows of a (64 floats each) and the 16 columns of b ([64][16]) */
-static inline __attribute__((always_inline)) void product16(const float *a, const float *b, __m512 acc[16]) {
-    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+#ifdef HAVE_VECTORS
+/* out[r * stride + c] = a[r] . b[:, c] for `rows` rows of a (64 floats each) and the 16 columns of b ([64][16]), the
+   sums in registers (`rows`, at most 16, is a constant at each call). */
+static inline __attribute__((always_inline)) void product_rows(const float *a, const float *b, float *out, int64_t stride,
+                                                              const int rows) {
+    f32x16 acc[16];
+    for (int r = 0; r < rows; r++) acc[r] = v_zero();
     for (int d = 0; d < DIM; d++) {
-        const __m512 column = _mm512_loadu_ps(b + 16 * d);
-        for (int r = 0; r < 16; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * DIM + d]), column, acc[r]);
+        const f32x16 column = v_load(b + 16 * d);
+        for (int r = 0; r < rows; r++) acc[r] = v_fmadd(v_set1(a[r * DIM + d]), column, acc[r]);
     }
+    for (int r = 0; r < rows; r++) v_store(out + r * stride, acc[r]);
+}
+
+/* The same for 16 rows, PRODUCT_ROWS at a time (all 16 with AVX-512), then the rows left. */
+static inline __attribute__((always_inline)) void product16(const float *a, const float *b, float *out, int64_t stride) {
+    int r0 = 0;
+    for (; r0 + PRODUCT_ROWS <= 16; r0 += PRODUCT_ROWS) product_rows(a + r0 * DIM, b, out + r0 * stride, stride, PRODUCT_ROWS);
+    if (16 % PRODUCT_ROWS) product_rows(a + r0 * DIM, b, out + r0 * stride, stride, 16 % PRODUCT_ROWS);
+}
+
+/* context[r] = context[r] * rescale[r] + weights[r] v for `rows` rows (a constant at each call) and the 16 dimensions
+   from t, over `keys` keys: the sums in registers. */
+static inline __attribute__((always_inline)) void weigh_rows(float *context, const float *rescale, const float *weights,
+                                                            const float *v, int64_t keys, const int rows) {
+    f32x16 acc[16];
+    for (int r = 0; r < rows; r++) acc[r] = v_mul(v_load(context + r * DIM), v_set1(rescale[r]));
+    for (int64_t k = 0; k < keys; k++) {
+        const f32x16 value = v_load(v + k * DIM);
+        for (int r = 0; r < rows; r++) acc[r] = v_fmadd(v_set1(weights[r * KEY_BLOCK + k]), value, acc[r]);
+    }
+    for (int r = 0; r < rows; r++) v_store(context + r * DIM, acc[r]);
 }
 
 static void copy_rows_f32(const float *rows, int64_t stride, int64_t count, float *into) {
     for (int r = 0; r < 16; r++)
         for (int c = 0; c < DIM; c += 16)
-            _mm512_storeu_ps(into + r * DIM + c, r < count ? _mm512_loadu_ps(rows + r * stride + c) : _mm512_setzero_ps());
+            v_store(into + r * DIM + c, r < count ? v_load(rows + r * stride + c) : v_zero());
 }
 
 /* out[16][width] at columns [first, last) = a (16 x 64) against rows packed [width / 16][64][16] */
 static void table_rows_f32(const float *a, const float *packed, int64_t width, float *out, int64_t first, int64_t last) {
-    for (int64_t c0 = first; c0 < last; c0 += 16) {
-        __m512 acc[16];
-        product16(a, packed + c0 * DIM, acc);
-        for (int r = 0; r < 16; r++) _mm512_storeu_ps(out + r * width + c0, acc[r]);
-    }
+    for (int64_t c0 = first; c0 < last; c0 += 16) product16(a, packed + c0 * DIM, out + c0, width);
 }
 
 static void pack_plane_f32(const AttendArgs *x, int64_t sequence, int64_t head, int64_t row_first, int64_t row_last,
@@ -933,10 +894,10 @@ static void pack_plane_f32(const AttendArgs *x, int64_t sequence, int64_t head, 
         copy_rows_f32(v + j0 * x->value_row, x->value_row, keys - j0, value_rows + j0 * DIM);
         copy_rows_f32(k + j0 * x->key_row, x->key_row, keys - j0, rows);
         for (int q = 0; q < 4; q++) { /* dimensions 16q .. 16q + 15 */
-            __m512 m[16];
-            for (int n = 0; n < 16; n++) m[n] = _mm512_loadu_ps(rows + n * DIM + 16 * q);
-            transpose16(m);
-            for (int r = 0; r < 16; r++) _mm512_storeu_ps(key_tiles + (j0 / 16) * DIM * 16 + (16 * q + r) * 16, m[r]);
+            f32x16 m[16];
+            for (int n = 0; n < 16; n++) m[n] = v_load(rows + n * DIM + 16 * q);
+            v_transpose16(m);
+            for (int r = 0; r < 16; r++) v_store(key_tiles + (j0 / 16) * DIM * 16 + (16 * q + r) * 16, m[r]);
         }
         if (x->pos_query && j0 < keys) { /* U of these 16 keys */
             int64_t first, last;
@@ -973,26 +934,22 @@ static void attend_rows_f32(const AttendArgs *x, int64_t sequence, int64_t head,
         const int64_t count_keys = keys - k0 < KEY_BLOCK ? keys - k0 : KEY_BLOCK;
         for (int64_t g = 0; g < count; g++) {
             /* scores = q k^T, 16 keys at a time */
-            for (int64_t b0 = k0; b0 < k0 + count_keys; b0 += 16) {
-                __m512 acc[16];
-                product16(query[g], key_tiles + (b0 / 16) * DIM * 16, acc);
-                for (int r = 0; r < 16; r++) _mm512_storeu_ps(scores + (b0 - k0) + r * KEY_BLOCK, acc[r]);
-            }
+            for (int64_t b0 = k0; b0 < k0 + count_keys; b0 += 16)
+                product16(query[g], key_tiles + (b0 / 16) * DIM * 16, scores + (b0 - k0), KEY_BLOCK);
             float rescale[QUERY_ROWS];
             softmax_block(&group, g, x, s, tables, k0, keep, scores, rescale, weights, 0);
-            /* context = context * rescale + weights v, 16 dimensions at a time */
+            /* context = context * rescale + weights v, PRODUCT_ROWS rows (then the rows left) and 16 dimensions at a
+               time */
             float *context = group.context[g];
-            for (int t = 0; t < DIM; t += 16) {
-                __m512 acc[16];
-                for (int r = 0; r < 16; r++)
-                    acc[r] = _mm512_mul_ps(_mm512_loadu_ps(context + r * DIM + t), _mm512_set1_ps(rescale[r]));
-                for (int64_t k = 0; k < count_keys; k++) {
-                    const __m512 value = _mm512_loadu_ps(v + (k0 + k) * DIM + t);
-                    for (int r = 0; r < 16; r++)
-                        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(weights[r * KEY_BLOCK + k]), value, acc[r]);
-                }
-                for (int r = 0; r < 16; r++) _mm512_storeu_ps(context + r * DIM + t, acc[r]);
-            }
+            int r0 = 0;
+            for (; r0 + PRODUCT_ROWS <= 16; r0 += PRODUCT_ROWS)
+                for (int t = 0; t < DIM; t += 16)
+                    weigh_rows(context + r0 * DIM + t, rescale + r0, weights + r0 * KEY_BLOCK, v + k0 * DIM + t,
+                               count_keys, PRODUCT_ROWS);
+            if (16 % PRODUCT_ROWS)
+                for (int t = 0; t < DIM; t += 16)
+                    weigh_rows(context + r0 * DIM + t, rescale + r0, weights + r0 * KEY_BLOCK, v + k0 * DIM + t,
+                               count_keys, 16 % PRODUCT_ROWS);
         }
     }
     finish_group(&group, x, sequence, head, 0);
@@ -1012,9 +969,9 @@ int attend_available(void) {
 
 /* Every plane on `threads` OpenMP threads, each plane's rows in `chunks` parts (more than one where there are fewer
    planes than threads); element_size 2 (bfloat16, on AMX) or 4 (float32). Returns 1 where it cannot run (bfloat16
-   without an AMX build, float32 without AVX-512, or neither table). */
+   without an AMX build, float32 without a vector set, or neither table). */
 int attend(const AttendArgs *x, int64_t element_size, int64_t planes, int64_t chunks, int threads) {
-#ifdef HAVE_AVX512
+#ifdef HAVE_VECTORS
     const int bf16 = element_size == 2;
 #ifndef HAVE_AMX
     if (bf16) return 1;
@@ -1085,10 +1042,12 @@ int attend(const AttendArgs *x, int64_t element_size, int64_t planes, int64_t ch
 #endif
 }
 
-int has_avx512(void) {
-#ifdef HAVE_AVX512
-    return 1;
+/* The vector set the kernels were built for: "avx512", "avx2", "neon", or "none" (then only the element-by-element
+   code is here, and native.py does not use the library). */
+const char *instruction_set(void) {
+#ifdef HAVE_VECTORS
+    return VECTOR_SET;
 #else
-    return 0;
+    return "none";
 #endif
 }

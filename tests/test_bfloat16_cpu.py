@@ -1,4 +1,5 @@
-"""The bfloat16 choices of CPU inference by distance, against their float32 meaning and against eager.
+"""The bfloat16 choices of CPU inference by distance, against their float32 meaning and against eager; and the one
+warning where the processor has no bfloat16 arithmetic.
 
 In bfloat16 and float16 the c2p + p2c bias of a block is a copy of the p2c view and an add of c2p in place (one
 rounding, the same sums as one add), and the T and U products read a contiguous copy of their slice of the relative
@@ -8,6 +9,7 @@ rows (oneDNN's product would otherwise copy it transposed). float32 keeps the on
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -114,3 +116,63 @@ def test_bfloat16_sdpa_inference_within_twice_eagers_error(monkeypatch, switch, 
             actual = low_sdpa(**batch).last_hidden_state[real].float()
     assert torch.isfinite(actual).all()
     assert max_abs_diff(actual, expected) <= 2 * max_abs_diff(own, expected) + 1e-3
+
+
+@pytest.fixture
+def processor(monkeypatch):
+    """Stands in for the processor's features (x86's flags or aarch64's Features); the one-warning state is fresh."""
+    monkeypatch.setattr(native, "_bfloat16_checked", [])
+    monkeypatch.delenv(native.BFLOAT16_WARNING, raising=False)
+
+    def set_processor(machine: str, features: str) -> None:
+        monkeypatch.setattr(native.platform, "machine", lambda: machine)
+        monkeypatch.setattr(native, "_cpu_flags", lambda: features)
+
+    return set_processor
+
+
+def forwards(model, dtype=None, autocast=False, count=2) -> list[str]:
+    """The warnings of `count` forwards (the model cast to `dtype`, or under CPU autocast to bfloat16)."""
+    batch = padded_batch(100, [40, 31])
+    model = copy.deepcopy(model).to(dtype) if dtype is not None else model
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for _ in range(count):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                model(**batch)
+    return [str(item.message) for item in caught if "bfloat16 on this CPU" in str(item.message)]
+
+
+@pytest.mark.parametrize("how", ["cast", "autocast"])
+@pytest.mark.parametrize(
+    "machine, features, missing",
+    [("x86_64", "flags : fpu sse2 avx2 fma", "avx512_bf16 or amx_bf16"), ("aarch64", "Features : fp asimd", "bf16")],
+)
+def test_bfloat16_without_bfloat16_arithmetic_warns_once(processor, how, machine, features, missing):
+    """On a CPU without bfloat16 arithmetic the first bfloat16 forward (the model cast, or CPU autocast) warns once,
+    naming the missing extensions, the measured cost and the remedies; a float32 forward does not."""
+    processor(machine, features)
+    model = build()
+    assert forwards(model) == []  # float32: nothing, and the check is still to come
+    caught = forwards(model, torch.bfloat16) if how == "cast" else forwards(model, autocast=True)
+    assert len(caught) == 1
+    assert f"no {missing}" in caught[0] and native.BFLOAT16_SLOWDOWN in caught[0]
+    assert "float32" in caught[0] and "int8" in caught[0] and f"{native.BFLOAT16_WARNING}=0" in caught[0]
+    assert forwards(model, torch.bfloat16) == []  # once per process
+
+
+@pytest.mark.parametrize(
+    "machine, features",
+    [
+        ("x86_64", "flags : fpu avx2 fma avx512f avx512bw avx512_bf16"),  # Zen 4, Cooper Lake
+        ("x86_64", "flags : fpu avx2 fma avx512f avx512bw amx_bf16 amx_tile"),  # AMX
+        ("aarch64", "Features : fp asimd sve bf16 i8mm"),  # Graviton 3, Neoverse V1/N2
+    ],
+)
+def test_bfloat16_with_bfloat16_arithmetic_or_silenced_does_not_warn(monkeypatch, processor, machine, features):
+    processor(machine, features)
+    assert forwards(build(), torch.bfloat16) == []
+    processor("x86_64", "flags : fpu sse2 avx2 fma")
+    monkeypatch.setattr(native, "_bfloat16_checked", [])
+    monkeypatch.setenv(native.BFLOAT16_WARNING, "0")
+    assert forwards(build(), torch.bfloat16) == []

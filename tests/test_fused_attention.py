@@ -1,4 +1,5 @@
-"""Attention with the position terms made inside the tile (`native.attend`): bfloat16 on AMX, float32 with AVX-512.
+"""Attention with the position terms made inside the tile (`native.attend`): bfloat16 on AMX, float32 with any vector
+set (AVX-512, AVX2 + FMA, NEON).
 
 Against the formula written here in float32 (scale q.k + q.Kr[δ(i - j)] + k.Qr[δ(i - j)], softmax, times v): in
 bfloat16 within twice the bfloat16 rounding of the formula's own result (plus one bfloat16 step of the values), in
@@ -269,7 +270,7 @@ def test_model_in_bfloat16_within_twice_eagers_error(monkeypatch, variant):
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.skipif(not native.available(), reason=f"no kernel here: {native.why_unavailable()}")
 def test_model_in_float32_matches_eager(monkeypatch, variant, layout):
-    """float32 through the fused kernel (AVX-512 products): padded with a sequence of padding only, and packed;
+    """float32 through the fused kernel (vector products): padded with a sequence of padding only, and packed;
     eager's outputs to 1e-5 of their largest, and the bias kernel's path to the same."""
     reference = model(**VARIANTS[variant])
     sdpa = copy.deepcopy(reference)
@@ -364,7 +365,9 @@ WITHOUT_AMX = {
 }
 
 
-@pytest.mark.skipif(not native.available(), reason=f"no kernel here: {native.why_unavailable()}")
+@pytest.mark.skipif(
+    "avx512" not in native._processor_sets()[0], reason=f"no AVX-512 here: {native._processor_sets()[1]}"
+)
 @pytest.mark.parametrize("target", list(WITHOUT_AMX))
 def test_built_without_amx_float32_runs_fused_and_bfloat16_does_not(monkeypatch, tmp_path, target):
     """The source builds for those processors (a header it needs only with AMX once kept it from building there at
@@ -372,8 +375,8 @@ def test_built_without_amx_float32_runs_fused_and_bfloat16_does_not(monkeypatch,
     says the attention is not there and takes the bias kernel and SDPA, within twice eager's own error."""
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setenv("DISENTANGLED_CACHE", str(tmp_path))
-    flags = tuple(flag for flag in native.FLAGS if not flag.startswith("-march")) + WITHOUT_AMX[target]
-    library = native._build(flags)
+    flags = tuple(flag for flag in native.flags_for("avx512") if not flag.startswith("-march")) + WITHOUT_AMX[target]
+    library = native._build(flags, "avx512")
     assert library is not None, native._state.get("why")
     monkeypatch.setattr(native, "_state", {"library": library})
     assert native.available() and native.attend_available(torch.float32)

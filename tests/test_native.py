@@ -365,8 +365,9 @@ def test_failed_build_falls_back_and_leaves_nothing(monkeypatch, tmp_path):
     failing.write_text("#!/bin/sh\necho 'broken compiler' >&2\nexit 1\n")
     failing.chmod(0o755)
     fresh_state(monkeypatch, tmp_path, CC=str(failing))
-    if "avx512f" not in native._cpu_flags().split():
-        assert not native.available() and "AVX-512" in native.why_unavailable()
+    chosen, reason = native.instruction_set()
+    if chosen == "none":
+        assert not native.available() and native.why_unavailable() == reason
         return
     assert not native.available()
     assert "compiling position_bias.c failed" in native.why_unavailable()
@@ -385,6 +386,79 @@ def test_turned_off_by_the_environment(monkeypatch, tmp_path):
     assert not native.available() and "DISENTANGLED_NATIVE=0" in native.why_unavailable()
 
 
+def test_turned_off_by_the_instruction_set_none(monkeypatch, tmp_path):
+    fresh_state(monkeypatch, tmp_path, DISENTANGLED_CPU_ISA="none")
+    assert native.instruction_set()[0] == "none"
+    assert not native.available() and "DISENTANGLED_CPU_ISA=none" in native.why_unavailable()
+    assert not native.attend_available(torch.float32)
+
+
+@pytest.mark.parametrize(
+    "machine, features, sets",
+    [  # /proc/cpuinfo's feature line (x86's flags, aarch64's Features) -> the sets, best first
+        ("x86_64", "flags : fpu sse2 avx2 fma avx512f avx512bw avx512vl amx_bf16", ["avx512", "avx2", "none"]),
+        ("x86_64", "flags : fpu sse2 avx avx2 fma bmi2", ["avx2", "none"]),
+        ("x86_64", "flags : fpu sse2 avx avx512f", ["none"]),  # AVX-512 F without BW, and no AVX2
+        ("aarch64", "Features : fp asimd evtstrm aes sve bf16 i8mm", ["neon", "none"]),
+        ("aarch64", "Features : fp", ["none"]),
+        ("riscv64", "isa : rv64imafdc", ["none"]),
+    ],
+)
+def test_instruction_sets_from_the_processor_features(monkeypatch, machine, features, sets):
+    """x86 reads its flags, aarch64 its Features (not an x86 flag name); an impossible request names what the
+    processor runs, an unknown one the sets there are."""
+    monkeypatch.setattr(native.platform, "machine", lambda: machine)
+    monkeypatch.setattr(native, "_cpu_flags", lambda: features)
+    monkeypatch.setattr(native.sys, "platform", "linux")
+    monkeypatch.delenv("DISENTANGLED_NATIVE", raising=False)
+    monkeypatch.delenv("DISENTANGLED_CPU_ISA", raising=False)
+    assert native._processor_sets()[0] == sets
+    assert native.instruction_set()[0] == sets[0]
+    for name in native.INSTRUCTION_SETS:
+        monkeypatch.setenv("DISENTANGLED_CPU_ISA", name)
+        if name in sets:
+            assert native.instruction_set() == (name, native.instruction_set()[1])
+            assert f"DISENTANGLED_CPU_ISA={name}" in native.instruction_set()[1]
+        else:
+            with pytest.raises(ValueError, match=f"DISENTANGLED_CPU_ISA={name}: .* runs {', '.join(sets)}"):
+                native.instruction_set()
+    monkeypatch.setenv("DISENTANGLED_CPU_ISA", "sse2")
+    with pytest.raises(ValueError, match="avx512, avx2, neon, none"):
+        native.instruction_set()
+
+
+def test_aarch64_without_cpuinfo_reads_the_hardware_capabilities(monkeypatch):
+    """Where /proc/cpuinfo has no Features line, NEON comes from the kernel's HWCAP bits (getauxval)."""
+    monkeypatch.setattr(native.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(native, "_cpu_flags", lambda: "")
+
+    class Libc:
+        def __init__(self, hwcap):
+            self.getauxval = lambda key: hwcap if key == 16 else 0
+
+    for hwcap, sets in [(0b10, ["neon", "none"]), (0b01, ["none"])]:
+        monkeypatch.setattr(native.ctypes, "CDLL", lambda name, hwcap=hwcap: Libc(hwcap))
+        assert native._processor_sets()[0] == sets
+
+
+@pytest.mark.parametrize("name", ["avx512", "avx2", "neon"])
+def test_each_set_the_processor_runs_builds_and_says_so(monkeypatch, tmp_path, name):
+    """DISENTANGLED_CPU_ISA builds each set this processor runs (AVX2 on an AVX-512 machine: the flags keep AVX-512
+    out), into a cache file of its own; the library says which set it was built for, and the bias matches the formula
+    bit for bit."""
+    if name not in native._processor_sets()[0]:
+        pytest.skip(f"this processor does not run {name}: {native._processor_sets()[1]}")
+    fresh_state(monkeypatch, tmp_path, DISENTANGLED_CPU_ISA=name)
+    assert native.instruction_set()[0] == name
+    assert native.available(), native.why_unavailable()
+    assert native._library().instruction_set().decode() == name
+    assert [path.name.split("-")[1] for path in (tmp_path / "cache").glob("position_bias-*.so")] == [name]
+    positions, c2p, p2c = tables(*POSITIONS["v3"], torch.float32)
+    rows, keys = slice(3, 3 + 37), slice(5, 300)
+    expected = reference(positions, c2p, p2c, None, rows, keys, torch.float32)
+    assert torch.equal(kernel_bias(positions, c2p, p2c, None, rows, keys, torch.float32), expected)
+
+
 @needs_kernel
 def test_build_is_cached_and_reused(monkeypatch, tmp_path):
     """The first use compiles into the cache, the next process reuses the file."""
@@ -398,9 +472,16 @@ def test_build_is_cached_and_reused(monkeypatch, tmp_path):
 
 
 def test_the_kernel_source_ships_with_the_package_not_the_bundle():
-    """The C source is package data beside native.py; the Hub bundle carries .py files only, so remote code runs on
-    PyTorch alone."""
+    """The C source and its vector headers are package data beside native.py (pyproject's package-data names them);
+    the Hub bundle carries .py files only, so remote code runs on PyTorch alone."""
+    from pathlib import Path
+
     from disentangled.conversion.bundle import bundle_sources
 
-    assert native.SOURCE.is_file()
-    assert "native.py" in bundle_sources() and not any(name.endswith(".c") for name in bundle_sources())
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+
+    assert native.SOURCE.is_file() and all(header.is_file() for header in native.HEADERS)
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    shipped = pyproject["tool"]["setuptools"]["package-data"]["disentangled.modeling"]
+    assert {native.SOURCE.name, *(header.name for header in native.HEADERS)} <= set(shipped)
+    assert "native.py" in bundle_sources() and not any(name.endswith((".c", ".h")) for name in bundle_sources())

@@ -124,7 +124,11 @@ def native() -> dict:
     from .modeling import dispatch
 
     built = dispatch.native_built()
+    chosen, reason = dispatch.native_instruction_set()
     return {
+        "instruction_set": chosen,
+        "instruction_set_reason": reason,
+        "forced": "DISENTANGLED_CPU_ISA" in reason,
         "built": built,
         "why_not": None if built else dispatch.native_why_unavailable(),
         "fused_float32": built and dispatch.native_attend(torch.float32),
@@ -267,7 +271,11 @@ def render(found: dict) -> str:
         f"torch threads {cpu_['torch_threads']}",
     ]
     native_ = found["native"]
-    lines += ["", "## Compiled CPU kernel"]
+    lines += [
+        "",
+        "## Compiled CPU kernels",
+        f"- instruction set: {native_['instruction_set']} ({native_['instruction_set_reason']})",
+    ]
     if native_["built"]:
         lines.append(
             f"- built; fused attention in float32: {'yes' if native_['fused_float32'] else 'no'}, in bfloat16: "
@@ -328,17 +336,30 @@ def record_fields(checkout: Path | None = None) -> dict:
         "torch": found["versions"]["torch"],
         "transformers": found["versions"]["transformers"],
         "commit": found["versions"]["commit"],
+        "instruction_set": {
+            "name": found["native"]["instruction_set"],
+            "reason": found["native"]["instruction_set_reason"],
+            "forced": found["native"]["forced"],
+            "built": found["native"]["built"],
+            **({} if found["native"]["built"] else {"why_not": found["native"]["why_not"]}),
+        },
         "environment": found,
     }
 
 
 def describe() -> str:
-    """One line: processor, extensions, logical CPUs, torch's threads and torch's CPU capability."""
+    """One line: processor, extensions, logical CPUs, torch's threads, torch's CPU capability, and the instruction
+    set of our CPU kernels with the reason (`native.instruction_set`)."""
+    from .modeling import dispatch
+
     name, extensions = processor()
     capability = torch.backends.cpu.get_cpu_capability()
+    kernels, reason = dispatch.native_instruction_set()
+    built = "" if kernels == "none" or dispatch.native_built() else f", not built: {dispatch.native_why_unavailable()}"
     return (
         f"{name} ({' '.join(extensions) or 'no listed vector extensions'}; torch uses {capability}), "
-        f"{os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads"
+        f"{os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads; "
+        f"our CPU kernels: {kernels} ({reason}{built})"
     )
 
 
