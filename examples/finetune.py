@@ -305,5 +305,7 @@ if __name__ == "__main__":
     main(sys.argv[1:])
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # under torchrun / accelerate: left to interpreter exit, Gloo's threads can abort the finished process
-        # ("terminate called without an active exception", pytorch/pytorch#190489)
+        # ("terminate called without an active exception", pytorch/pytorch#190489), and so can a group destroyed
+        # while the other process still waits in a collective (the last save's): every process reaches the end first
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
