@@ -30,6 +30,7 @@ from test_native import POSITIONS, hankel_reference, reference, tables
 
 from disentangled.modeling import native
 from disentangled.modeling.disentangled_attention import RelativePositions
+from disentangled.modeling.workspace import int32_column
 
 DRIVER = Path(__file__).with_name("kernel_driver.c")
 KERNELS = {"position_bias": 0, "hankel_bias": 1, "hankel_bias_backward": 2, "attend": 3}
@@ -156,7 +157,7 @@ def record_bias_calls(recording: Recording) -> None:
                         shape = (2, 1, rows.stop - rows.start, keys.stop - keys.start)
                         out = torch.full(shape, float("nan"), dtype=dtype)
                         p2c_keys = p2c[:, :, keys] if p2c is not None else None
-                        columns = positions.kernel_columns
+                        columns = native.kernel_columns(positions)
                         recording.track(out, reversed_c2p, p2c_keys, *columns, keep)
                         native.position_bias(out, reversed_c2p, p2c_keys, *columns, keep, rows.start, keys.start)
                         recording.expect(out, reference(positions, c2p, p2c, keep, rows, keys, dtype))
@@ -178,7 +179,7 @@ def record_training_calls(recording: Recording) -> None:
             p2c = torch.randn(2, 1, length, positions.width, generator=generator).to(dtype)  # the reversed keys' U
             for first, rows in [(0, 48), (length - 37, 37)]:
                 c2p = torch.randn(2, 1, rows, positions.width, generator=generator).to(dtype)  # the block's T
-                column = positions.int32_column[first:]
+                column = int32_column(positions)[first:]
                 grad = torch.randn(2, 1, rows, length, generator=generator).to(dtype)
                 out = torch.full((2, 1, rows, length), float("nan"), dtype=dtype)
                 recording.track(out, c2p, p2c, column)
@@ -228,7 +229,7 @@ def record_attention_calls(recording: Recording) -> None:
                 ]  # fmt: skip
                 out = torch.full((query.shape[0], length, query.shape[1], 64), float("nan"))
                 workspace = torch.empty(0, dtype=torch.uint8)
-                column, c2p_column = positions.kernel_columns
+                column, c2p_column = native.kernel_columns(positions)
                 recording.track(out, query, key, value, *tiles, column, c2p_column, keep)
                 native.attend(out, query, key, value, *tiles, column, c2p_column, keep, keys, SCALE, workspace)
                 expected = formula(positions, query, key, value, pos_key, pos_query, keep, keys)
