@@ -365,7 +365,9 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device_check --device {args.device}: torch sees no CUDA GPU here (--device cpu checks parity)")
+        raise ValueError(
+            f"device_check --device {args.device}: torch sees no CUDA GPU here (--device cpu checks parity)"
+        )
     lines, stages = [], {}
 
     def stage(name: str, check) -> bool:

@@ -253,9 +253,7 @@ def markdown(rows: list[dict], memory_figures: dict, layers: int) -> str:
             cells = []
             for length in lengths:
                 figure = figures[length]
-                cells.append(
-                    f"{figure['peak']:.2f} ({figure['rss_after_load']:.2f})" if "peak" in figure else "failed"
-                )
+                cells.append(f"{figure['peak']:.2f} ({figure['rss_after_load']:.2f})" if "peak" in figure else "failed")
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -7,7 +7,7 @@ buckets' reach (where the column stops changing) need no dense bias at all: c2p 
 p2c a bias of the key, so for each block the keys before and after its band run as two plain attentions with a key
 bias, merged with the band's by log-sum-exp (`_attend_by_distance` gives the details).
 
-Where the compiled kernel runs (`native.py`: float32 or bfloat16, an AVX-512 processor and a C compiler), it makes
+Where the compiled kernel runs (`native.py`: float32 or bfloat16, a processor with AVX-512, AVX2 + FMA or NEON and a C compiler), it makes
 each block's bias instead, from T and U by bucket (one product per block and one per group of sequences), in one
 pass that PyTorch's operators would take three for (a gather or transposing copy, a copy, an add); the far keys are
 then split off from KERNEL_SPLIT_LENGTH tokens on only. With 64 dimensions per head and no mask or a key mask, the
