@@ -72,15 +72,30 @@ def latest(records: list[dict], having: str) -> list[dict]:
 SCRATCH_OPTIONS = ("--out", "--out-dir", "--json", "--work", "--output", "--records", "--commit")
 
 
+# Options whose value is an interpreter of the measuring machine (kernel_resources' `--python`: another Triton): the
+# page names what it is instead
+MACHINE_OPTIONS = {"--python": "PYTHON_WITH_ANOTHER_TRITON"}
+
+
 def shown_command(command: str) -> str:
-    """The command as a reader reruns it: without the options that named a scratch folder or file of that run."""
+    """The command as a reader reruns it: without the options that named a scratch folder or file of that run, and
+    with a placeholder for a path that only that machine has."""
     words, shown = command.split(), []
-    skip = False
+    skip = replace = None
     for word in words:
         if skip:
-            skip = False
+            skip = None
+        elif replace:
+            shown.append(replace)
+            replace = None
         elif word in SCRATCH_OPTIONS:
-            skip = True
+            skip = word
+        elif word in MACHINE_OPTIONS:
+            shown.append(word)
+            replace = MACHINE_OPTIONS[word]
+        elif word.startswith(tuple(f"{option}=" for option in MACHINE_OPTIONS)):
+            option = word.split("=", 1)[0]
+            shown.append(f"{option}={MACHINE_OPTIONS[option]}")
         elif not word.startswith(tuple(f"{option}=" for option in SCRATCH_OPTIONS)):
             shown.append(word)
     return " ".join(shown)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,7 @@ from .triton_tiles import precision, tiles_for
 from .validation import is_tracing
 
 logger = logging.getLogger("disentangled.dispatch")
+_THIS_MODULE = sys.modules[__name__]
 
 # The switches, read on every decision (so a test or a benchmark may change them between calls); SWITCHES lists them.
 TRITON = os.environ.get("DISENTANGLED_TRITON", "check")  # "0", "1" or "check"
@@ -143,8 +145,9 @@ class Decision:
 
 
 def switch_value(name: str):
-    """A switch's current value, checked (a bad DISENTANGLED_TRITON is a ValueError naming the fix)."""
-    value = globals()[name]
+    """A switch's current value, checked (a bad DISENTANGLED_TRITON is a ValueError naming the fix). Read as an
+    attribute of this module (not through `globals()`, which torch.compile cannot trace)."""
+    value = getattr(_THIS_MODULE, name)
     if name == "TRITON" and value not in TRITON_VALUES:
         raise ValueError(
             f"DISENTANGLED_TRITON (or dispatch.TRITON) is {value!r}; set it to 0 (the Triton kernel off), "

@@ -500,7 +500,7 @@ class DisentangledEncoder(nn.Module):
             bucket_size=config.position_buckets,
             max_position=config.max_relative_distance,
             device=device,
-            workspace=kept_workspace(self) if switch_value("KEEP_WORKSPACE") and not is_tracing() else None,
+            workspace=kept_workspace(self) if not is_tracing() and switch_value("KEEP_WORKSPACE") else None,
         )
 
     def forward(

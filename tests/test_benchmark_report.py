@@ -179,3 +179,23 @@ def test_a_gpu_record_makes_the_gpu_table_and_figure_beside_the_cpu_ones(tmp_pat
     assert report.figure_digest(tmp_path / "gpu.png") == report.digest(figures[gpu_png])
     for path, data in before_figures.items():  # the CPU figures are drawn from the CPU records alone
         assert figures[path] == data
+
+
+def test_a_record_with_forced_kernels_is_its_own_machine(tmp_path):
+    """One processor measured twice, its CPU kernels on their best set and forced to a lower one
+    (DISENTANGLED_CPU_ISA): two machines on the page, each the newest of its kind, the forced one named so."""
+    from benchmarks import machine
+
+    figures = {"dtype": "float32", "cases": [{"case": "infer 8x128"}]}
+    extensions = ["avx2", "fma", "avx512f"]
+    for name, forced in (("avx512", False), ("avx2", True), ("avx512", False)):
+        record = append_record("run", figures, command=[name], folder=tmp_path)
+        record |= {"extensions": extensions, "instruction_set": {"name": name, "forced": forced, "built": True}}
+        lines = (tmp_path / "run.jsonl").read_text().splitlines()
+        (tmp_path / "run.jsonl").write_text("\n".join([*lines[:-1], json.dumps(record)]) + "\n")
+    records = read_records("run", tmp_path)
+    labels = [machine.label(record) for record in records]
+    assert labels[0] == labels[2] != labels[1]
+    assert labels[1].endswith("(AVX-512; AVX2 kernels forced)")
+    assert [record["command"] for record in report.latest(records, "cases")] == ["avx512", "avx2"]
+    assert "our CPU kernels: AVX2, forced" in report.processor_line(records[1])

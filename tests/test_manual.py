@@ -80,6 +80,9 @@ def test_the_generator_shows_a_reader_s_command(tmp_path):
     assert report.shown_command("python -m benchmarks.kernel_resources --json=/tmp/x.jsonl") == (
         "python -m benchmarks.kernel_resources"
     )
+    assert report.shown_command("python -m benchmarks.kernel_resources --python /tmp/v38/bin/python --json x") == (
+        "python -m benchmarks.kernel_resources --python PYTHON_WITH_ANOTHER_TRITON"
+    )
     assert report.shown_commit("c819abc+dirty") == "c819abc with changes not committed"
     assert report.shown_commit("unknown") == "not recorded"
     records = tmp_path / "records"
