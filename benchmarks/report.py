@@ -33,7 +33,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks import accelerate, kernel_resources, machine, pretrain_memory
+from benchmarks import accelerate, kernel_resources, machine, onnx_runtime, pretrain_memory
 from benchmarks.records import RECORDS, read_records
 from studies import demo, pretrain
 from studies.explain_terms import markdown_tables
@@ -788,6 +788,18 @@ def generate(records: Path = RECORDS) -> tuple[dict[Path, str], dict[Path, dict]
     # docs/pretraining.md: one RTD step's peak memory at DeBERTa-v3's vocabulary, against transformers' ELECTRA
     memory = pretrain_memory.section([for_the_page(record) for record in read_records("pretrain_memory", records)])
     sections += [(Path("docs/pretraining.md"), "pretrain-memory", memory)]
+    # docs/serving.md: our graph in ONNX Runtime against BERT's, the newest record per machine
+    served = {machine.label(record): for_the_page(record) for record in read_records("onnx_runtime", records)}
+    if served:
+        body = "\n\n".join(
+            measured_on(record)
+            + "\n\n"
+            + onnx_runtime.markdown(
+                record["figures"]["timing"], record["figures"].get("memory_gib", {}), record["figures"]["layers"]
+            )
+            for _, record in sorted(served.items())
+        )
+        sections += [(Path("docs/serving.md"), "onnx-runtime", body)]
     texts = {}
     for path, name, body in sections:
         texts[path] = replace_section(texts.get(path, (ROOT / path).read_text()), name, body)
