@@ -44,11 +44,6 @@ END = "<!-- end of generated section -->"
 INT8_PATHS = ["ours-torch-int8", "ours-torch-int8-x86", "onnxruntime-float32", "onnxruntime-int8", "bert-sdpa"]
 
 
-def short_processor(name: str) -> str:
-    """'Intel(R) Xeon(R) Processor' -> 'Intel Xeon'; names stay unique enough to label a column."""
-    return machine.short_name(name)
-
-
 def on_gpu(record: dict) -> bool:
     return record["figures"].get("device", "cpu").startswith("cuda")
 
