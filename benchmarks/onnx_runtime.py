@@ -12,6 +12,8 @@ each per round (padded batches: the last row is 3/4 long), of
   fused attention (eager attention: a dense bias gathered with an [L, L] index);
 - `ours-onnx`: `export-onnx` as it is now (ONNX Runtime's MultiHeadAttention, the position terms made by products by
   distance and relative shifts);
+- `ours-onnx-kernel`: `export-onnx --kernel`, each layer's attention our compiled `disentangled::Attention` operator
+  (`serving/ort_operator.py`: the position terms made inside the tile), its library loaded into the session;
 - `deberta-onnx`: transformers' DebertaV2Model on the same weights, exported by torch.onnx.export (torch's current
   exporter; its older TorchScript one where that fails);
 - `bert-onnx`: a same-size BertModel (sdpa) exported by both of torch's exporters, the faster of the two;
@@ -41,14 +43,22 @@ import transformers
 
 from benchmarks import machine, records
 from benchmarks.run import build_models, inputs_for
-from disentangled.serving import onnx_export
+from disentangled.serving import onnx_export, ort_operator
 
 RESULTS = Path(__file__).parent / "results"
 CASES = [(8, 128), (4, 512), (1, 2048)]
 MEMORY_LENGTHS = [2048, 4096]
 MEMORY_CAP_GIB = 16
 CHECK_TOLERANCE = 1e-3  # float32 graphs of 2 layers: 1e-6 to 1e-5 expected
-COLUMNS = ["ours-pytorch", "ours-onnx-before", "ours-onnx", "deberta-onnx", "bert-onnx", "bert-onnx-optimized"]
+COLUMNS = [
+    "ours-pytorch",
+    "ours-onnx-before",
+    "ours-onnx",
+    "ours-onnx-kernel",
+    "deberta-onnx",
+    "bert-onnx",
+    "bert-onnx-optimized",
+]
 
 
 class Hidden(torch.nn.Module):
@@ -116,6 +126,14 @@ def prepare(layers: int, folder: Path) -> tuple[dict, dict[str, list[Path]]]:
     onnx_export.lean_graph(before)
     onnx_export.export(ours, "base", now)
     graphs["ours-onnx-before"], graphs["ours-onnx"] = [before], [now]
+    if ort_operator.why_unavailable() is None:
+        kernel = folder / "ours-kernel.onnx"
+        onnx_export.export(ours, "base", kernel, kernel=True)
+        onnx_export.lean_graph(kernel)
+        graphs["ours-onnx-kernel"] = [kernel]
+    else:
+        print(f"ours-onnx-kernel: not timed ({ort_operator.why_unavailable()})")
+        del graphs["ours-onnx-kernel"]
     for dynamo in (True, False):
         path = folder / f"deberta-{'dynamo' if dynamo else 'torchscript'}.onnx"
         try:
@@ -133,6 +151,7 @@ def prepare(layers: int, folder: Path) -> tuple[dict, dict[str, list[Path]]]:
         optimize(path, optimized, bert.config.hidden_size, bert.config.num_attention_heads)
         graphs["bert-onnx-optimized"].append(optimized)
     pytorch = {"ours-pytorch": ours, "ours-onnx-before": ours, "ours-onnx": ours, "deberta-onnx": deberta}
+    pytorch["ours-onnx-kernel"] = ours
     pytorch.update({"bert-onnx": bert, "bert-onnx-optimized": bert})
     return pytorch, graphs
 
@@ -191,6 +210,8 @@ def timing(pytorch: dict, graphs: dict, repeats: int, threads: int, cases: list)
         bert = min(row["times"]["bert-onnx"], row["times"]["bert-onnx-optimized"])
         row["ratio_ours_onnx_to_bert"] = row["times"]["ours-onnx"] / bert
         row["ratio_before_to_bert"] = row["times"]["ours-onnx-before"] / bert
+        if "ours-onnx-kernel" in row["times"]:
+            row["ratio_kernel_to_bert"] = row["times"]["ours-onnx-kernel"] / bert
         print(row, flush=True)
         rows.append(row)
     del runners
@@ -205,6 +226,8 @@ def rss(field):
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field)) / 2**20
 options = onnxruntime.SessionOptions()
 options.intra_op_num_threads = int(sys.argv[4])
+if len(sys.argv) > 5:  # our operator's library (the kernel graph)
+    options.register_custom_ops_library(sys.argv[5])
 session = onnxruntime.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
 length = int(sys.argv[2])
 ids = numpy.random.default_rng(0).integers(1, 32000, (1, length)).astype(numpy.int64)
@@ -217,12 +240,14 @@ print(loaded, rss("VmHWM:"))
 def memory(graphs: dict, lengths: list[int], threads: int) -> dict:
     """Peak resident set (GiB) of a fresh process per graph and length: after loading, and over one call."""
     result = {}
-    for name in ("ours-onnx-before", "ours-onnx", "deberta-onnx", "bert-onnx-optimized"):
-        for path in graphs[name][:1] if name != "bert-onnx-optimized" else graphs[name]:
+    for name in ("ours-onnx-before", "ours-onnx", "ours-onnx-kernel", "deberta-onnx", "bert-onnx-optimized"):
+        for path in graphs.get(name, [])[:1] if name != "bert-onnx-optimized" else graphs[name]:
             label = name if name != "bert-onnx-optimized" else f"{name} ({path.stem})"
             result[label] = {}
             for length in lengths:
                 run = [sys.executable, "-c", MEMORY_CHILD, str(path), str(length), str(MEMORY_CAP_GIB), str(threads)]
+                if name == "ours-onnx-kernel":
+                    run.append(str(ort_operator.library_path()))
                 done = subprocess.run(run, capture_output=True, text=True)
                 if done.returncode == 0:
                     loaded, peak = map(float, done.stdout.split()[-2:])
@@ -234,17 +259,20 @@ def memory(graphs: dict, lengths: list[int], threads: int) -> dict:
 
 
 def markdown(rows: list[dict], memory_figures: dict, layers: int) -> str:
+    columns = [name for name in COLUMNS if any(name in row["times"] for row in rows)]
+    kernel = "ours-onnx-kernel" in columns
+    ratios = ["ours-onnx / BERT", *(["kernel / BERT"] if kernel else []), "before / BERT"]
     lines = [
-        f"| case ({layers} layers, ms per call) | " + " | ".join(COLUMNS) + " | ours-onnx / BERT | before / BERT |",
-        "|---" * (len(COLUMNS) + 3) + "|",
+        f"| case ({layers} layers, ms per call) | " + " | ".join(columns + ratios) + " |",
+        "|---" * (len(columns) + len(ratios) + 1) + "|",
     ]
     for row in rows:
-        cells = [f"{row['times'][name] * 1000:,.0f}" for name in COLUMNS]
-        lines.append(
-            f"| {row['case']} | "
-            + " | ".join(cells)
-            + f" | {row['ratio_ours_onnx_to_bert']:.2f} | {row['ratio_before_to_bert']:.2f} |"
-        )
+        cells = [f"{row['times'][name] * 1000:,.0f}" for name in columns]
+        cells.append(f"{row['ratio_ours_onnx_to_bert']:.2f}")
+        if kernel:
+            cells.append(f"{row['ratio_kernel_to_bert']:.2f}")
+        cells.append(f"{row['ratio_before_to_bert']:.2f}")
+        lines.append(f"| {row['case']} | " + " | ".join(cells) + " |")
     if memory_figures:
         lengths = sorted({length for figures in memory_figures.values() for length in figures})
         lines += ["", "| graph | " + " | ".join(f"peak GiB at 1x{n} (after load)" for n in lengths) + " |"]

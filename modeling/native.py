@@ -266,6 +266,32 @@ def flags_for(name: str) -> tuple[str, ...]:
     return BASE_FLAGS[:1] + SET_FLAGS[name] + BASE_FLAGS[1:]
 
 
+def compiled(source: Path, flags: tuple[str, ...], name: str, stem: str | None = None) -> tuple[Path | None, str]:
+    """`source` (which may include position_bias.c and its headers, found beside it) compiled with `flags` for vector
+    set `name` into the cache (DISENTANGLED_CACHE, else ~/.cache/disentangled), or found there: (the library, "") or
+    (None, why not). The cache key covers the sources, the compiler, the flags, the set and the processor's flags."""
+    compiler = _compiler()
+    if compiler is None:
+        return None, "no C compiler (cc, gcc or clang) on PATH"
+    sources = [source.read_bytes(), SOURCE.read_bytes(), *(header.read_bytes() for header in HEADERS)]
+    parts = [*sources, compiler.encode(), " ".join(flags).encode(), name.encode(), _cpu_flags().encode()]
+    key = hashlib.sha256(b"\0".join(parts))
+    cache = Path(os.environ.get("DISENTANGLED_CACHE", Path.home() / ".cache" / "disentangled"))
+    library = cache / f"{stem or source.stem}-{name}-{key.hexdigest()[:16]}.so"
+    if not library.is_file():
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache) as folder:
+                partial = Path(folder) / library.name
+                command = [compiler, *flags, f"-I{SOURCE.parent}", str(source), "-o", str(partial)]
+                subprocess.run(command, check=True, capture_output=True)
+                os.replace(partial, library)
+        except (OSError, subprocess.CalledProcessError) as error:
+            detail = getattr(error, "stderr", b"") or b""
+            return None, f"compiling {source.name} failed: {error} {detail.decode(errors='replace')[-300:]}".strip()
+    return library, ""
+
+
 def _build(flags: tuple[str, ...] | None = None, name: str | None = None) -> ctypes.CDLL | None:
     """Compile for vector set `name` (default: `instruction_set()`'s) with `flags` (default: `flags_for(name)`), or
     find it in the cache, and load the kernel; None, with the reason in `_state['why']`, if it cannot."""
@@ -277,27 +303,11 @@ def _build(flags: tuple[str, ...] | None = None, name: str | None = None) -> cty
     if not SOURCE.is_file() or not all(header.is_file() for header in HEADERS):
         _state["why"] = "no kernel source here (the Hub bundle)"
         return None
-    compiler = _compiler()
-    if compiler is None:
-        _state["why"] = "no C compiler (cc, gcc or clang) on PATH"
-        return None
     flags = flags or flags_for(name)
-    sources = [SOURCE.read_bytes(), *(header.read_bytes() for header in HEADERS)]
-    parts = [*sources, compiler.encode(), " ".join(flags).encode(), name.encode(), _cpu_flags().encode()]
-    key = hashlib.sha256(b"\0".join(parts))
-    cache = Path(os.environ.get("DISENTANGLED_CACHE", Path.home() / ".cache" / "disentangled"))
-    library = cache / f"position_bias-{name}-{key.hexdigest()[:16]}.so"
-    if not library.is_file():
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=cache) as folder:
-                partial = Path(folder) / library.name
-                subprocess.run([compiler, *flags, str(SOURCE), "-o", str(partial)], check=True, capture_output=True)
-                os.replace(partial, library)
-        except (OSError, subprocess.CalledProcessError) as error:
-            detail = getattr(error, "stderr", b"") or b""
-            _state["why"] = f"compiling {SOURCE.name} failed: {error} {detail.decode(errors='replace')[-300:]}".strip()
-            return None
+    library, why = compiled(SOURCE, flags, name)
+    if library is None:
+        _state["why"] = why
+        return None
     try:
         loaded = ctypes.CDLL(str(library))
     except OSError as error:

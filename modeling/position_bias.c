@@ -36,6 +36,7 @@
 #include <omp.h>
 #else
 static inline int omp_get_thread_num(void) { return 0; }
+static inline int omp_get_num_threads(void) { return 1; }
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include "position_bias_avx512.h"
@@ -967,18 +968,80 @@ int attend_available(void) {
 #endif
 }
 
+#ifdef HAVE_VECTORS
+/* Items [begin, end) of attend()'s planes x chunks (an item: a plane, or a part of its rows) on the calling thread,
+   in `workspace` (workspace_bytes(keys, width) of its own); bfloat16 needs the AMX tiles configured. */
+static void attend_items(const AttendArgs *x, const int bf16, int64_t chunks, int64_t begin, int64_t end,
+                         char *workspace) {
+    const int64_t blocks = (x->length + QUERY_ROWS - 1) / QUERY_ROWS, per_chunk = (blocks + chunks - 1) / chunks;
+    const int64_t padded = padded_keys(x->keys);
+    /* the workspace: keys and values packed, U, its edges, T */
+    float *t = (float *)(workspace + packed_bytes(padded) + (padded * x->width + 16) * 4 + padded * 2 * 4);
+    /* the item (a plane, or a part of one) in the workspace: a part's U is made only where its rows read it, so
+       that parts of one plane on many threads do not each make all of it, and a thread's next part packs again */
+    int64_t packed = -1;
+    Terms s;
+    for (int64_t item = begin; item < end; item++) {
+        const int64_t plane = item / chunks, sequence = plane / x->heads, head = plane % x->heads;
+        const int64_t first = (item % chunks) * per_chunk, last = first + per_chunk < blocks ? first + per_chunk : blocks;
+        if (first >= last) continue; /* a part past the last block */
+        const int64_t row_first = first * QUERY_ROWS, row_last = last < blocks ? last * QUERY_ROWS : x->length;
+        if (item != packed) {
+            s = (Terms){
+                .t = x->pos_key ? (const char *)t : NULL,
+                .u = x->pos_query ? workspace + packed_bytes(padded) : NULL,
+                .t_row = x->width,
+                .u_row = x->width,
+                .forward = x->column,
+                .c2p_column = x->c2p_column,
+                .length = x->length,
+                .first_key = x->first_key,
+            };
+#ifdef HAVE_AMX
+            if (bf16) pack_plane(x, sequence, head, row_first, row_last, workspace, &s);
+            else
+#endif
+                pack_plane_f32(x, sequence, head, row_first, row_last, workspace, &s);
+            packed = item;
+        }
+        for (int64_t block = first; block < last; block += ROW_GROUP) {
+            const int64_t count = last - block < ROW_GROUP ? last - block : ROW_GROUP;
+#ifdef HAVE_AMX
+            if (bf16) attend_rows(x, sequence, head, block * QUERY_ROWS, count, workspace, &s, t);
+            else
+#endif
+                attend_rows_f32(x, sequence, head, block * QUERY_ROWS, count, workspace, &s, t);
+        }
+    }
+#ifndef HAVE_AMX
+    (void)bf16;
+#endif
+}
+#endif
+
+/* Whether attend() and attend_part() can run these arguments: 0 if so, 1 where not (bfloat16 without an AMX build,
+   float32 without a vector set, or neither table). */
+static int attend_refused(const AttendArgs *x, int64_t element_size) {
+#ifdef HAVE_VECTORS
+#ifndef HAVE_AMX
+    if (element_size == 2) return 1;
+#endif
+    return (element_size != 2 && element_size != 4) || (x->pos_key == NULL && x->pos_query == NULL);
+#else
+    (void)x, (void)element_size;
+    return 1;
+#endif
+}
+
 /* Every plane on `threads` OpenMP threads, each plane's rows in `chunks` parts (more than one where there are fewer
-   planes than threads); element_size 2 (bfloat16, on AMX) or 4 (float32). Returns 1 where it cannot run (bfloat16
-   without an AMX build, float32 without a vector set, or neither table). */
+   planes than threads); element_size 2 (bfloat16, on AMX) or 4 (float32). Each thread takes a contiguous share of
+   the items (as OpenMP's static schedule would), in its own part of x->workspace. Returns 1 where it cannot run
+   (attend_refused). */
 int attend(const AttendArgs *x, int64_t element_size, int64_t planes, int64_t chunks, int threads) {
+    if (attend_refused(x, element_size)) return 1;
 #ifdef HAVE_VECTORS
     const int bf16 = element_size == 2;
-#ifndef HAVE_AMX
-    if (bf16) return 1;
-#endif
-    if ((element_size != 2 && element_size != 4) || (x->pos_key == NULL && x->pos_query == NULL)) return 1;
-    const int64_t blocks = (x->length + QUERY_ROWS - 1) / QUERY_ROWS, per_chunk = (blocks + chunks - 1) / chunks;
-    const int64_t bytes = workspace_bytes(x->keys, x->width), padded = padded_keys(x->keys);
+    const int64_t bytes = workspace_bytes(x->keys, x->width), items = planes * chunks;
 #pragma omp parallel num_threads(threads)
     {
 #ifdef HAVE_AMX
@@ -991,55 +1054,30 @@ int attend(const AttendArgs *x, int64_t element_size, int64_t planes, int64_t ch
             _tile_loadconfig(&config);
         }
 #endif
-        /* the workspace: keys and values packed, U, its edges, T */
-        char *workspace = (char *)x->workspace + omp_get_thread_num() * bytes;
-        float *t = (float *)(workspace + packed_bytes(padded) + (padded * x->width + 16) * 4 + padded * 2 * 4);
-        /* the item (a plane, or a part of one) in the workspace: a part's U is made only where its rows read it, so
-           that parts of one plane on many threads do not each make all of it, and a thread's next part packs again */
-        int64_t packed = -1;
-        Terms s;
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < planes * chunks; item++) {
-            const int64_t plane = item / chunks, sequence = plane / x->heads, head = plane % x->heads;
-            const int64_t first = (item % chunks) * per_chunk, last = first + per_chunk < blocks ? first + per_chunk : blocks;
-            if (first >= last) continue; /* a part past the last block */
-            const int64_t row_first = first * QUERY_ROWS, row_last = last < blocks ? last * QUERY_ROWS : x->length;
-            if (item != packed) {
-                s = (Terms){
-                    .t = x->pos_key ? (const char *)t : NULL,
-                    .u = x->pos_query ? workspace + packed_bytes(padded) : NULL,
-                    .t_row = x->width,
-                    .u_row = x->width,
-                    .forward = x->column,
-                    .c2p_column = x->c2p_column,
-                    .length = x->length,
-                    .first_key = x->first_key,
-                };
-#ifdef HAVE_AMX
-                if (bf16) pack_plane(x, sequence, head, row_first, row_last, workspace, &s);
-                else
-#endif
-                    pack_plane_f32(x, sequence, head, row_first, row_last, workspace, &s);
-                packed = item;
-            }
-            for (int64_t block = first; block < last; block += ROW_GROUP) {
-                const int64_t count = last - block < ROW_GROUP ? last - block : ROW_GROUP;
-#ifdef HAVE_AMX
-                if (bf16) attend_rows(x, sequence, head, block * QUERY_ROWS, count, workspace, &s, t);
-                else
-#endif
-                    attend_rows_f32(x, sequence, head, block * QUERY_ROWS, count, workspace, &s, t);
-            }
-        }
+        const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+        attend_items(x, bf16, chunks, items * thread / team, items * (thread + 1) / team,
+                     (char *)x->workspace + thread * bytes);
 #ifdef HAVE_AMX
         if (bf16) _tile_release();
 #endif
     }
-    return 0;
 #else
-    (void)x, (void)element_size, (void)planes, (void)chunks, (void)threads;
-    return 1;
+    (void)planes, (void)chunks, (void)threads;
 #endif
+    return 0;
+}
+
+/* Float32 only: items [begin, end) of attend()'s planes x chunks on the calling thread, in `workspace`
+   (workspace_bytes(keys, width)), for a caller with threads of its own (ONNX Runtime's, ort_attention.c). Returns 1
+   where attend() would. */
+int attend_part(const AttendArgs *x, int64_t chunks, int64_t begin, int64_t end, void *workspace) {
+    if (attend_refused(x, 4)) return 1;
+#ifdef HAVE_VECTORS
+    attend_items(x, 0, chunks, begin, end, (char *)workspace);
+#else
+    (void)chunks, (void)begin, (void)end, (void)workspace;
+#endif
+    return 0;
 }
 
 /* The vector set the kernels were built for: "avx512", "avx2", "neon", or "none" (then only the element-by-element

@@ -31,6 +31,7 @@ from test_native import POSITIONS, hankel_reference, reference, tables
 from disentangled.modeling import native
 from disentangled.modeling.disentangled_attention import RelativePositions
 from disentangled.modeling.workspace import int32_column
+from disentangled.serving import ort_operator
 
 DRIVER = Path(__file__).with_name("kernel_driver.c")
 KERNELS = {"position_bias": 0, "hankel_bias": 1, "hankel_bias_backward": 2, "attend": 3}
@@ -310,11 +311,15 @@ TARGETS = {
 }
 
 
+SOURCES = {"kernels": native.SOURCE, "onnx-runtime-operator": ort_operator.SOURCE}
+
+
 @pytest.mark.parametrize("compiler", ["gcc", "clang"])
 @pytest.mark.parametrize("target", list(TARGETS))
-def test_the_source_builds_warning_free(tmp_path, compiler, target):
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_the_source_builds_warning_free(tmp_path, compiler, target, source):
     """-Wall -Wextra -Werror, with gcc and with clang, for every set (aarch64: Debian's cross gcc, clang's own
-    --target); the object holds the kernels and no more than the set asks for."""
+    --target): the kernels, and ONNX Runtime's operator around them (serving/ort_attention.c)."""
     if target == "neon":
         command = ["aarch64-linux-gnu-gcc"] if compiler == "gcc" else ["clang", "--target=aarch64-linux-gnu"]
         if compiler == "clang" and not (AARCH64_SYSROOT / "include" / "stdint.h").is_file():
@@ -325,8 +330,8 @@ def test_the_source_builds_warning_free(tmp_path, compiler, target):
         pytest.skip(f"no {command[0]} here")
     flags = [flag for flag in native.BASE_FLAGS if flag not in ("-shared", "-fPIC")]
     built = subprocess.run(
-        [*command, *flags, *TARGETS[target], "-Wall", "-Wextra", "-Werror", "-c", str(native.SOURCE), "-o",
-         str(tmp_path / "position_bias.o")],
+        [*command, *flags, *TARGETS[target], "-Wall", "-Wextra", "-Werror", f"-I{native.SOURCE.parent}", "-c",
+         str(SOURCES[source]), "-o", str(tmp_path / "kernel.o")],
         capture_output=True, text=True,
     )  # fmt: skip
     if built.returncode and "omp.h" in built.stderr:

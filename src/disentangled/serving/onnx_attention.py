@@ -40,7 +40,7 @@ from torch.nn import functional as F
 from ..modeling import sdpa_attention
 from ..modeling.disentangled_attention import PositionScores
 
-GRAPHS = ("fused", "portable")
+GRAPHS = ("fused", "kernel", "portable")
 _graph = "fused"
 MS_DOMAIN = "com.microsoft"
 
@@ -53,7 +53,8 @@ def current_graph() -> str:
 @contextlib.contextmanager
 def graph(kind: str) -> Iterator[None]:
     """Within the block, ONNX exports write `kind` attention: "fused" (ONNX Runtime's MultiHeadAttention with the
-    position terms as its bias) or "portable" (standard operators only)."""
+    position terms as its bias), "kernel" (our `disentangled::Attention` operator, `ort_operator.py`) or "portable"
+    (standard operators only)."""
     global _graph
     if kind not in GRAPHS:
         raise ValueError(f"ONNX attention graph {kind!r} is not one of {list(GRAPHS)}")
@@ -113,9 +114,11 @@ def fused_attention(
     query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, scaling: float, scores: PositionScores
 ) -> Tensor | None:
     """The attention of one layer for the fused graph: [B, L, H, D], or None where the portable graph is written."""
-    if _graph != "fused" or not fused_available() or torch.jit.is_tracing() or scores.p2p is not None:
+    if _graph == "portable" or not fused_available() or torch.jit.is_tracing() or scores.p2p is not None:
         return None
     batch, heads, length, dim = query.shape
+    if _graph == "kernel" and dim == 64 and (attention_mask is None or attention_mask.shape[-2] == 1):
+        return kernel_attention(query, key, value, attention_mask, scaling, scores)
     bias = terms_by_distance(query, key, scores)  # c2p + p2c, or None
     if attention_mask is not None:  # [B, 1, 1 | L, L] bool -> additive
         minimum = torch.finfo(query.dtype).min
@@ -133,6 +136,50 @@ def fused_attention(
             bias,
         ],  # query, key, value, bias (of the projections: none), key_padding_mask, attention_bias
         {"num_heads": heads, "scale": float(scaling)},
+        dtype=query.dtype,
+        shape=(batch, length, heads * dim),
+        version=1,
+    )
+    return context.unflatten(-1, (heads, dim))
+
+
+KERNEL_DOMAIN = "disentangled"
+TILE_ROWS = 16  # the kernel's tables come in blocks of 16 rows (native.as_key_tiles)
+
+
+def kernel_tables(relative: Tensor, reverse: bool) -> Tensor:
+    """Kr (rows reversed) or Qr [H, W, 64] as the kernel reads it: zero rows to a multiple of 16, then
+    `native.as_key_tiles`' float32 layout [H, W / 16, 64, 16]. Made from the weights alone (a constant folded
+    by ONNX Runtime)."""
+    heads, width, dim = relative.shape
+    rows = relative.flip(1) if reverse else relative
+    padded = -(-width // TILE_ROWS) * TILE_ROWS
+    rows = F.pad(rows, (0, 0, 0, padded - width))
+    return rows.reshape(heads, padded // TILE_ROWS, TILE_ROWS, dim).transpose(-1, -2)
+
+
+def kernel_attention(
+    query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, scaling: float, scores: PositionScores
+) -> Tensor:
+    """The attention of one layer for the kernel graph: one `disentangled::Attention` node ([B, L, H, D]). Its inputs
+    are the projections in their own [B, L, H * D] layout, the tables of the weights, the two int32 column vectors
+    of the distances (as `native.kernel_columns` makes them) and the key mask as uint8."""
+    batch, heads, length, dim = query.shape
+    positions = scores.positions
+    column = positions.column.to(torch.int32)  # [2L - 1]: the table column of distance d at d + L - 1
+    c2p_column = (positions.width - 1) - column.flip(0)  # Kr reversed: at L - 1 - i + j, the column of i - j
+    tables = [
+        kernel_tables(t, reverse) if t is not None else None
+        for t, reverse in ((scores.pos_key, True), (scores.pos_query, False))
+    ]
+    keep = None
+    if attention_mask is not None:  # [B | 1, 1, 1, L] bool: the keys to attend to
+        keep = attention_mask[:, 0, 0, :].expand(batch, length).to(torch.uint8)
+    inputs = [x.transpose(1, 2).reshape(batch, length, heads * dim) for x in (query, key, value)]
+    context = torch.onnx.ops.symbolic(
+        f"{KERNEL_DOMAIN}::Attention",
+        [*inputs, *tables, column, c2p_column, keep],
+        {"heads": heads, "scale": float(scaling)},
         dtype=query.dtype,
         shape=(batch, length, heads * dim),
         version=1,

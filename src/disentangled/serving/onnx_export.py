@@ -51,7 +51,7 @@ from ..modeling import (
     DisentangledModel,
 )
 from ..modeling.modeling_disentangled import DISENTANGLED_ATTENTION_FUNCTIONS
-from . import onnx_attention
+from . import onnx_attention, ort_operator
 
 # task -> (class, output names)
 TASKS = {
@@ -150,12 +150,22 @@ def example_inputs(
     return inputs
 
 
-def export(model: nn.Module, task: str, path: str | Path, opset: int = DEFAULT_OPSET, portable: bool = False) -> None:
+def export(
+    model: nn.Module,
+    task: str,
+    path: str | Path,
+    opset: int = DEFAULT_OPSET,
+    portable: bool = False,
+    kernel: bool = False,
+) -> None:
     """Export with dynamic batch and sequence axes (and choices); the file is written at `path`.
 
-    The model runs in eval mode (its mode is restored after). Without `portable`, the attention is ONNX Runtime's
-    MultiHeadAttention with the position terms as its bias (`onnx_attention.py`; sdpa's export) and a ValueError
-    says so if the exporter wrote another graph."""
+    The model runs in eval mode (its mode is restored after). By default the attention is ONNX Runtime's
+    MultiHeadAttention with the position terms as its bias (`onnx_attention.py`; sdpa's export); with `kernel`, our
+    `disentangled::Attention` operator (`ort_operator.py`); with `portable`, standard operators only. A ValueError
+    says so if the exporter wrote another graph than the one asked for."""
+    if portable and kernel:
+        raise ValueError("--portable and --kernel ask for two different graphs: pass one of them")
     config = model.config
     _, output_names = TASKS[task]
     batch = torch.export.Dim("batch")
@@ -171,7 +181,8 @@ def export(model: nn.Module, task: str, path: str | Path, opset: int = DEFAULT_O
     training = model.training
     wrapper = ExportWrapper(model, output_names).eval()
     try:
-        with onnx_attention.graph("portable" if portable else "fused"), quiet_exporter():
+        kind = "portable" if portable else "kernel" if kernel else "fused"
+        with onnx_attention.graph(kind), quiet_exporter():
             program = torch.onnx.export(
                 wrapper,
                 (),
@@ -185,7 +196,13 @@ def export(model: nn.Module, task: str, path: str | Path, opset: int = DEFAULT_O
             )
     finally:
         model.train(training)
-    if not portable and fused_layers(model) and not multi_head_attention_nodes(program.model_proto.graph):
+    graph = program.model_proto.graph
+    if kernel and fused_layers(model) and not kernel_nodes(graph):
+        raise ValueError(
+            "the exporter did not write disentangled::Attention for this model (it takes 64 dimensions per head and "
+            "a key mask); export without --kernel for ONNX Runtime's own fused attention"
+        )
+    if not portable and not kernel and fused_layers(model) and not multi_head_attention_nodes(graph):
         raise ValueError(
             "the exporter did not write ONNX Runtime's fused attention for this model; pass --portable for the "
             "standard-operator graph"
@@ -202,6 +219,10 @@ def fused_layers(model: nn.Module) -> bool:
 
 def multi_head_attention_nodes(graph) -> int:
     return sum(node.op_type == "MultiHeadAttention" for node in graph.node)
+
+
+def kernel_nodes(graph) -> int:
+    return sum(node.domain == ort_operator.DOMAIN and node.op_type == ort_operator.OPERATOR for node in graph.node)
 
 
 @contextlib.contextmanager
@@ -283,7 +304,19 @@ def quantize_int8(
 
     with tempfile.TemporaryDirectory(dir=Path(output_path).parent) as folder:
         prepared = Path(folder) / "prepared.onnx"
-        quant_pre_process(str(float_path), str(prepared), skip_symbolic_shape=True)
+        if ort_operator.needs_operator(float_path):  # the kernel graph: the basic optimizations with our library
+            import onnxruntime
+
+            options = onnxruntime.SessionOptions()
+            options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC
+            options.optimized_model_filepath = str(Path(folder) / "basic.onnx")
+            ort_operator.register(options)
+            onnxruntime.InferenceSession(str(float_path), options, providers=["CPUExecutionProvider"])
+            quant_pre_process(
+                options.optimized_model_filepath, str(prepared), skip_optimization=True, skip_symbolic_shape=True
+            )
+        else:
+            quant_pre_process(str(float_path), str(prepared), skip_symbolic_shape=True)
         graph = onnx.load(str(prepared), load_external_data=False).graph
         rank = {initializer.name: len(initializer.dims) for initializer in graph.initializer}
         float_tables = per_channel or not position_tables
@@ -312,8 +345,9 @@ def onnxruntime_version() -> str:
 
 
 def session(path: str | Path, threads: int | None = None, spinning: bool = True):
-    """An onnxruntime CPU session with every graph optimization on (the int8 fusions need them). `spinning`
-    False stops idle threads from spinning between calls (fairer when other work shares the cores)."""
+    """An onnxruntime CPU session with every graph optimization on (the int8 fusions need them), our operator's
+    library loaded where the graph has `disentangled::Attention` (`--kernel`). `spinning` False stops idle threads
+    from spinning between calls (fairer when other work shares the cores)."""
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
@@ -322,6 +356,8 @@ def session(path: str | Path, threads: int | None = None, spinning: bool = True)
         options.intra_op_num_threads = threads
     if not spinning:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if ort_operator.needs_operator(path):
+        ort_operator.register(options)
     return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
@@ -525,6 +561,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="standard ONNX operators only, for runtimes other than ONNX Runtime (slower there)",
     )
     parser.add_argument(
+        "--kernel",
+        action="store_true",
+        help="the attention as our compiled operator disentangled::Attention (fastest in ONNX Runtime on the CPU; "
+        "the session must load its library: disentangled.serving.ort_operator.register(options))",
+    )
+    parser.add_argument(
         "--attn-implementation",
         default=DEFAULT_ATTENTION,
         help=f"attention backend traced into the graph (default {DEFAULT_ATTENTION}: the fused graph; eager writes "
@@ -577,15 +619,25 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--check-texts checks an int8 graph: add --quantize int8 (float32 is checked at --tolerance)")
     model, task = load_model(args.model_dir, args.task, args.attn_implementation)
     texts = read_check_texts(args.check_texts, args.text_column, args.check_max_texts) if args.check_texts else None
+    if args.portable and args.kernel:
+        raise ValueError("--portable and --kernel ask for two different graphs: pass one of them")
+    if args.kernel:
+        ort_operator.library_path()  # a ValueError now, before the export, where the operator cannot run here
     portable = args.portable or not fused_layers(model)
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.stem}-") as folder:
         written = Path(folder) / output.name  # beside OUT.onnx, moved there only once complete and checked
-        export(model, task, written, opset=args.opset, portable=args.portable)
+        export(model, task, written, opset=args.opset, portable=args.portable, kernel=args.kernel and not portable)
         lean_graph(written)
         if args.quantize == "int8":
             quantize_int8(written, Path(folder) / "int8.onnx")
             os.replace(Path(folder) / "int8.onnx", written)
-        graph = "standard operators" if portable else "ONNX Runtime's fused attention"
+        graph = (
+            "standard operators"
+            if portable
+            else "our disentangled::Attention operator"
+            if args.kernel
+            else "ONNX Runtime's fused attention"
+        )
         kind = f"{args.quantize} " if args.quantize else ""
         print(f"exported {task} ({kind}{graph}, opset {args.opset}, dynamic batch and sequence axes)")
         if not args.no_check:

@@ -1,0 +1,329 @@
+/* Disentangled attention as an ONNX Runtime custom operator: disentangled::Attention runs position_bias.c's attend()
+   (float32, the position terms made inside the tile, the bias never written) on ONNX Runtime's own threads.
+
+       out_i = sum_j softmax_j(scale q_i . k_j + q_i . Kr[c(i - j)] + k_j . Qr[c(i - j)]) v_j   over the kept keys
+
+   Inputs (float32 unless said):
+     0 query, 1 key, 2 value   [B, L, H * 64], the heads side by side (the projections' own layout)
+     3 pos_key                  Kr, rows reversed, in native.as_key_tiles' layout [H, W / 16, 64, 16]; optional
+     4 pos_query                Qr in the same layout; optional (one of the two at least)
+     5 column, 6 c2p_column     int32 [2L - 1], native.kernel_columns'
+     7 keep                     uint8 [B, L], 1 = a key to attend to; optional (every key)
+   Attributes: scale (float), heads (int).
+   Output: [B, L, H * 64]. A sequence with no key to attend to attends uniformly to every key, as PyTorch's eager
+   attention does under a mask of the dtype's minimum.
+
+   Built by onnx_runtime.py with the instruction set's flags (native.py), this file and position_bias.c in one unit.
+   ONNX Runtime's C API is reached through the OrtApiBase it hands RegisterCustomOps: a table of function pointers
+   whose order ONNX Runtime never changes (new functions are appended), so the few used here are called by their
+   place in the table (API_*, checked against onnxruntime_c_api.h of API version 17 and later). OrtCustomOp is
+   declared here in the same order as ONNX Runtime's; its version (16) tells ONNX Runtime which fields it may read. */
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* sched_getaffinity */
+#endif
+#include "position_bias.c"
+
+#include <sched.h>
+#include <stdio.h>
+
+typedef struct OrtStatus OrtStatus;
+typedef void OrtValue, OrtKernelContext, OrtKernelInfo, OrtShapeInfo, OrtDomain, OrtSessionOptions;
+
+/* The entries of ONNX Runtime's OrtApi used here, by their place in the table. */
+enum {
+    API_CREATE_STATUS = 0,
+    API_CREATE_CUSTOM_OP_DOMAIN = 26,
+    API_CUSTOM_OP_DOMAIN_ADD = 27,
+    API_ADD_CUSTOM_OP_DOMAIN = 28,
+    API_GET_TENSOR_MUTABLE_DATA = 51,
+    API_GET_DIMENSIONS_COUNT = 61,
+    API_GET_DIMENSIONS = 62,
+    API_GET_TENSOR_TYPE_AND_SHAPE = 65,
+    API_KERNEL_INFO_GET_ATTRIBUTE_FLOAT = 85,
+    API_KERNEL_INFO_GET_ATTRIBUTE_INT64 = 86,
+    API_KERNEL_CONTEXT_GET_INPUT = 90,
+    API_KERNEL_CONTEXT_GET_OUTPUT = 91,
+    API_RELEASE_STATUS = 93,
+    API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99,
+    API_KERNEL_CONTEXT_PARALLEL_FOR = 274,
+};
+#define API_VERSION 17 /* ONNX Runtime 1.17: the first with KernelContext_ParallelFor */
+
+/* ONNXTensorElementDataType, OrtErrorCode, OrtCustomOpInputOutputCharacteristic: the values used here */
+enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2, TYPE_INT32 = 6 };
+enum { ERROR_FAIL = 1, ERROR_INVALID_ARGUMENT = 2 };
+enum { REQUIRED = 0, OPTIONAL = 1 };
+
+typedef void *ApiEntry;
+typedef struct {
+    const ApiEntry *(*get_api)(uint32_t version);
+    const char *(*get_version_string)(void);
+} ApiBase;
+
+typedef struct CustomOp CustomOp;
+struct CustomOp { /* OrtCustomOp, field for field */
+    uint32_t version;
+    void *(*create_kernel)(const CustomOp *, const ApiEntry *, const OrtKernelInfo *);
+    const char *(*get_name)(const CustomOp *);
+    const char *(*get_execution_provider_type)(const CustomOp *);
+    int (*get_input_type)(const CustomOp *, size_t);
+    size_t (*get_input_type_count)(const CustomOp *);
+    int (*get_output_type)(const CustomOp *, size_t);
+    size_t (*get_output_type_count)(const CustomOp *);
+    void (*kernel_compute)(void *, OrtKernelContext *);
+    void (*kernel_destroy)(void *);
+    int (*get_input_characteristic)(const CustomOp *, size_t);
+    int (*get_output_characteristic)(const CustomOp *, size_t);
+    int (*get_input_memory_type)(const CustomOp *, size_t);
+    int (*get_variadic_input_min_arity)(const CustomOp *);
+    int (*get_variadic_input_homogeneity)(const CustomOp *);
+    int (*get_variadic_output_min_arity)(const CustomOp *);
+    int (*get_variadic_output_homogeneity)(const CustomOp *);
+    OrtStatus *(*create_kernel_v2)(const CustomOp *, const ApiEntry *, const OrtKernelInfo *, void **);
+    OrtStatus *(*kernel_compute_v2)(void *, OrtKernelContext *);
+    OrtStatus *(*infer_output_shape)(const CustomOp *, OrtShapeInfo *);
+    int (*get_start_version)(const CustomOp *);
+    int (*get_end_version)(const CustomOp *);
+    size_t (*get_may_inplace)(int **, int **);
+    void (*release_may_inplace)(int *, int *);
+    size_t (*get_alias_map)(int **, int **);
+    void (*release_alias_map)(int *, int *);
+};
+
+static const ApiEntry *api; /* ONNX Runtime's table, from RegisterCustomOps */
+
+#define CALL(index, type) ((type)api[index])
+typedef OrtStatus *(*CreateStatusFn)(int, const char *);
+typedef void (*ReleaseFn)(void *);
+
+static OrtStatus *fail(int code, const char *message) { return CALL(API_CREATE_STATUS, CreateStatusFn)(code, message); }
+
+/* ---- The kernel: its attributes, read once ---- */
+
+typedef struct {
+    float scale;
+    int64_t heads;
+} Kernel;
+
+static OrtStatus *create_kernel(const CustomOp *op, const ApiEntry *given, const OrtKernelInfo *info, void **out) {
+    (void)op, (void)given;
+    Kernel *kernel = calloc(1, sizeof(Kernel));
+    if (kernel == NULL) return fail(ERROR_FAIL, "disentangled::Attention: out of memory");
+    OrtStatus *status = CALL(API_KERNEL_INFO_GET_ATTRIBUTE_FLOAT, OrtStatus * (*)(const void *, const char *, float *))(
+        info, "scale", &kernel->scale);
+    if (status == NULL)
+        status = CALL(API_KERNEL_INFO_GET_ATTRIBUTE_INT64, OrtStatus * (*)(const void *, const char *, int64_t *))(
+            info, "heads", &kernel->heads);
+    if (status == NULL && kernel->heads < 1)
+        status = fail(ERROR_INVALID_ARGUMENT, "disentangled::Attention: the heads attribute must be at least 1");
+    if (status != NULL) {
+        free(kernel);
+        return status;
+    }
+    *out = kernel;
+    return NULL;
+}
+
+static void destroy_kernel(void *kernel) { free(kernel); }
+
+/* An input's data and shape: NULL data for an absent optional input; rank > 8 is refused. */
+typedef struct {
+    void *data;
+    int64_t shape[8];
+    size_t rank;
+} Input;
+
+static OrtStatus *read_input(OrtKernelContext *context, size_t index, Input *input) {
+    const OrtValue *value = NULL;
+    input->data = NULL, input->rank = 0;
+    OrtStatus *status = CALL(API_KERNEL_CONTEXT_GET_INPUT, OrtStatus * (*)(const void *, size_t, const OrtValue **))(
+        context, index, &value);
+    if (status != NULL || value == NULL) return status;
+    void *info = NULL;
+    status = CALL(API_GET_TENSOR_TYPE_AND_SHAPE, OrtStatus * (*)(const OrtValue *, void **))(value, &info);
+    if (status != NULL) return status;
+    status = CALL(API_GET_DIMENSIONS_COUNT, OrtStatus * (*)(const void *, size_t *))(info, &input->rank);
+    if (status == NULL && input->rank > 8) status = fail(ERROR_INVALID_ARGUMENT, "disentangled::Attention: rank > 8");
+    if (status == NULL)
+        status = CALL(API_GET_DIMENSIONS, OrtStatus * (*)(const void *, int64_t *, size_t))(info, input->shape,
+                                                                                              input->rank);
+    CALL(API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, ReleaseFn)(info);
+    if (status == NULL)
+        status = CALL(API_GET_TENSOR_MUTABLE_DATA, OrtStatus * (*)(const OrtValue *, void **))(value, &input->data);
+    return status;
+}
+
+/* ---- One call: the items of attend() shared among ONNX Runtime's threads, a workspace for each share ---- */
+
+typedef struct {
+    AttendArgs args;
+    int64_t chunks, items, shares, share_bytes;
+    char *workspace;
+    int failed;
+} Call;
+
+static void run_share(void *data, size_t share) {
+    Call *call = data;
+    const int64_t begin = call->items * (int64_t)share / call->shares;
+    const int64_t end = call->items * ((int64_t)share + 1) / call->shares;
+    if (attend_part(&call->args, call->chunks, begin, end, call->workspace + (int64_t)share * call->share_bytes))
+        call->failed = 1;
+}
+
+/* The processors this process may run on. */
+static int64_t usable_cpus(void) {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+    return 1;
+}
+
+static OrtStatus *compute(void *state, OrtKernelContext *context) {
+    const Kernel *kernel = state;
+    Input in[8];
+    for (size_t i = 0; i < 8; i++) {
+        OrtStatus *status = read_input(context, i, &in[i]);
+        if (status != NULL) return status;
+    }
+    const Input *query = &in[0], *key = &in[1], *value = &in[2], *pos_key = &in[3], *pos_query = &in[4];
+    const Input *keep = &in[7];
+    const int64_t heads = kernel->heads;
+    if (query->rank != 3 || query->shape[2] != heads * DIM)
+        return fail(ERROR_INVALID_ARGUMENT, "disentangled::Attention: query must be [B, L, heads * 64]");
+    const int64_t batch = query->shape[0], length = query->shape[1], hidden = query->shape[2];
+    for (int i = 1; i < 3; i++)
+        if (in[i].rank != 3 || in[i].shape[0] != batch || in[i].shape[1] != length || in[i].shape[2] != hidden)
+            return fail(ERROR_INVALID_ARGUMENT, "disentangled::Attention: key and value must have the query's shape");
+    const Input *table = pos_key->data ? pos_key : pos_query;
+    if (table->data == NULL)
+        return fail(ERROR_INVALID_ARGUMENT, "disentangled::Attention: give pos_key or pos_query (or both)");
+    const int64_t width = table->shape[1] * 16;
+    for (int i = 3; i < 5; i++)
+        if (in[i].data && (in[i].rank != 4 || in[i].shape[0] != heads || in[i].shape[1] * 16 != width ||
+                           in[i].shape[2] != DIM || in[i].shape[3] != 16))
+            return fail(ERROR_INVALID_ARGUMENT, "disentangled::Attention: pos_key and pos_query must be "
+                                                "[heads, W / 16, 64, 16] (native.as_key_tiles)");
+    for (int i = 5; i < 7; i++)
+        if (in[i].rank != 1 || in[i].shape[0] != 2 * length - 1)
+            return fail(ERROR_INVALID_ARGUMENT, "disentangled::Attention: column and c2p_column must be [2L - 1]");
+    if (keep->data && (keep->rank != 2 || keep->shape[0] != batch || keep->shape[1] != length))
+        return fail(ERROR_INVALID_ARGUMENT, "disentangled::Attention: keep must be [B, L]");
+
+    int64_t out_shape[3] = {batch, length, hidden};
+    OrtValue *output = NULL;
+    void *out = NULL;
+    OrtStatus *status = CALL(API_KERNEL_CONTEXT_GET_OUTPUT,
+                             OrtStatus * (*)(void *, size_t, const int64_t *, size_t, OrtValue **))(context, 0, out_shape,
+                                                                                                   3, &output);
+    if (status == NULL) status = CALL(API_GET_TENSOR_MUTABLE_DATA, OrtStatus * (*)(OrtValue *, void **))(output, &out);
+    if (status != NULL) return status;
+    if (batch == 0 || length == 0) return NULL;
+
+    const int64_t row = hidden, sequence_stride = length * hidden;
+    Call call = {
+        .args =
+            {
+                .query = query->data,
+                .key = key->data,
+                .value = value->data,
+                .query_sequence = sequence_stride, .query_head = DIM, .query_row = row,
+                .key_sequence = sequence_stride, .key_head = DIM, .key_row = row,
+                .value_sequence = sequence_stride, .value_head = DIM, .value_row = row,
+                .out = out,
+                .out_sequence = sequence_stride, .out_head = DIM, .out_row = row,
+                .pos_key = pos_key->data,
+                .pos_query = pos_query->data,
+                .width = width,
+                .column = in[5].data,
+                .c2p_column = in[6].data,
+                .keep = keep->data,
+                .keep_sequence = keep->data ? length : 0,
+                .heads = heads,
+                .length = length,
+                .first_key = 0,
+                .keys = length,
+                .scale = kernel->scale,
+            },
+    };
+    /* as native.attend: where the planes are fewer than the threads, each plane's rows in parts */
+    const int64_t planes = batch * heads, cpus = usable_cpus();
+    call.chunks = planes < cpus ? (cpus + planes - 1) / planes : 1;
+    call.items = planes * call.chunks;
+    call.shares = cpus < call.items ? cpus : call.items;
+    call.share_bytes = (workspace_bytes(length, width) + 63) / 64 * 64;
+    call.workspace = aligned_alloc(64, (size_t)(call.shares * call.share_bytes));
+    if (call.workspace == NULL) return fail(ERROR_FAIL, "disentangled::Attention: out of memory for the workspace");
+    status = CALL(API_KERNEL_CONTEXT_PARALLEL_FOR,
+                  OrtStatus * (*)(const void *, void (*)(void *, size_t), size_t, size_t, void *))(
+        context, run_share, (size_t)call.shares, 0, &call);
+    free(call.workspace);
+    if (status != NULL) return status;
+    if (call.failed) return fail(ERROR_FAIL, "disentangled::Attention: the kernel was built without a vector set");
+
+    /* a sequence with no key kept: every row the mean of the values, as eager attention under the dtype's minimum */
+    for (int64_t b = 0; keep->data && b < batch; b++) {
+        const uint8_t *kept = (const uint8_t *)keep->data + b * length;
+        int64_t any = 0;
+        for (int64_t j = 0; j < length && !any; j++) any = kept[j];
+        if (any) continue;
+        float *rows = (float *)out + b * sequence_stride;
+        const float *values = (const float *)value->data + b * sequence_stride;
+        for (int64_t c = 0; c < hidden; c++) {
+            double sum = 0;
+            for (int64_t j = 0; j < length; j++) sum += values[j * hidden + c];
+            rows[c] = (float)(sum / (double)length);
+        }
+        for (int64_t i = 1; i < length; i++) memcpy(rows + i * hidden, rows, (size_t)hidden * sizeof(float));
+    }
+    return NULL;
+}
+
+/* ---- The operator's description ---- */
+
+static const char *op_name(const CustomOp *op) { return (void)op, "Attention"; }
+static const char *op_provider(const CustomOp *op) { return (void)op, "CPUExecutionProvider"; }
+static size_t input_count(const CustomOp *op) { return (void)op, 8; }
+static size_t output_count(const CustomOp *op) { return (void)op, 1; }
+static int input_type(const CustomOp *op, size_t index) {
+    (void)op;
+    return index == 5 || index == 6 ? TYPE_INT32 : index == 7 ? TYPE_UINT8 : TYPE_FLOAT;
+}
+static int output_type(const CustomOp *op, size_t index) { return (void)op, (void)index, TYPE_FLOAT; }
+static int input_characteristic(const CustomOp *op, size_t index) {
+    (void)op;
+    return index == 3 || index == 4 || index == 7 ? OPTIONAL : REQUIRED;
+}
+static int output_characteristic(const CustomOp *op, size_t index) { return (void)op, (void)index, REQUIRED; }
+static int memory_type(const CustomOp *op, size_t index) { return (void)op, (void)index, 0; /* the default */ }
+
+static const CustomOp attention_op = {
+    .version = 16, /* 16: CreateKernelV2 and KernelComputeV2; nothing past them is read */
+    .get_name = op_name,
+    .get_execution_provider_type = op_provider,
+    .get_input_type = input_type,
+    .get_input_type_count = input_count,
+    .get_output_type = output_type,
+    .get_output_type_count = output_count,
+    .kernel_destroy = destroy_kernel,
+    .get_input_characteristic = input_characteristic,
+    .get_output_characteristic = output_characteristic,
+    .get_input_memory_type = memory_type,
+    .create_kernel_v2 = create_kernel,
+    .kernel_compute_v2 = compute,
+};
+
+/* ONNX Runtime calls this when a session's options load the library (register_custom_ops_library). */
+OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const ApiBase *base) {
+    api = base->get_api(API_VERSION);
+    if (api == NULL) return NULL; /* older than 1.17: nothing can be reported through the table; see ort_version */
+    if (!strcmp(instruction_set(), "none"))
+        return fail(ERROR_FAIL, "disentangled::Attention: the kernel was built without a vector set");
+    OrtDomain *domain = NULL; /* kept for the life of the process, as ONNX Runtime needs it past the session */
+    OrtStatus *status = CALL(API_CREATE_CUSTOM_OP_DOMAIN, OrtStatus * (*)(const char *, OrtDomain **))("disentangled",
+                                                                                                        &domain);
+    if (status == NULL) status = CALL(API_CUSTOM_OP_DOMAIN_ADD, OrtStatus * (*)(OrtDomain *, const CustomOp *))(
+        domain, &attention_op);
+    if (status == NULL)
+        status = CALL(API_ADD_CUSTOM_OP_DOMAIN, OrtStatus * (*)(OrtSessionOptions *, OrtDomain *))(options, domain);
+    return status;
+}

@@ -1,0 +1,293 @@
+"""`export-onnx --kernel`: each layer's attention as our `disentangled::Attention` operator (`serving/ort_attention.c`)
+in ONNX Runtime. The operator alone against the formula written here (softmax of scaled content scores, c2p and p2c
+read by bucket, masked keys left out, a sequence of padding attending uniformly), with absent optional inputs and
+ragged lengths; the exported graph against PyTorch within 1e-5 for every head, on padded batches, v3's log buckets
+and v2's absolute positions and separate projections; transformers' DeBERTa accelerated in place and exported by
+torch.onnx.export itself; the refusals (both graphs asked for, bad shapes, no operator library)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+
+import pytest
+import torch
+from parity import inflate_weights
+from test_onnx_export import HEADS, SHAPES, TOLERANCE, run_cli
+
+import disentangled
+from disentangled import DisentangledConfig
+from disentangled.modeling import native
+from disentangled.modeling.disentangled_attention import RelativePositions
+from disentangled.serving import onnx_attention, onnx_export, ort_operator
+
+onnxruntime = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+pytestmark = pytest.mark.skipif(
+    ort_operator.why_unavailable() is not None, reason=f"no operator library: {ort_operator.why_unavailable()}"
+)
+
+# 64 dimensions per head, as the operator (and every released DeBERTa) has
+WIDE = dict(
+    vocab_size=64,
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=96,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
+CONFIGS = {
+    "v3": dict(position_buckets=8, max_relative_positions=64, num_labels=3),
+    "v2": dict(
+        position_buckets=8,
+        max_relative_positions=32,
+        position_biased_input=True,
+        max_position_embeddings=40,
+        type_vocab_size=2,
+        share_att_key=False,
+        conv_kernel_size=3,
+        pos_att_type="p2c|c2p",
+        num_labels=3,
+    ),
+    "c2p-only": dict(position_buckets=8, max_relative_positions=64, pos_att_type="c2p", num_labels=3),
+}
+
+
+def save_model(tmp_path, head: str, config_name: str):
+    config = DisentangledConfig(**WIDE, **CONFIGS[config_name])
+    if head == "DisentangledForQuestionAnswering":
+        config.num_labels = 2
+    model = getattr(disentangled, head)(config)
+    inflate_weights(model)
+    model.save_pretrained(tmp_path / "model")
+    return tmp_path / "model"
+
+
+def operator_graph(with_key: bool, with_query: bool, with_keep: bool, heads: int, scale: float):
+    """A graph of one disentangled::Attention node."""
+    helper, float32 = onnx.helper, onnx.TensorProto.FLOAT
+    names = ["query", "key", "value", "pos_key" if with_key else "", "pos_query" if with_query else ""]
+    names += ["column", "c2p_column", "keep" if with_keep else ""]
+    types = {"column": onnx.TensorProto.INT32, "c2p_column": onnx.TensorProto.INT32, "keep": onnx.TensorProto.UINT8}
+    inputs = [helper.make_tensor_value_info(name, types.get(name, float32), None) for name in names if name]
+    node = helper.make_node("Attention", names, ["out"], domain=ort_operator.DOMAIN, heads=heads, scale=scale)
+    graph = helper.make_graph([node], "attention", inputs, [helper.make_tensor_value_info("out", float32, None)])
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(ort_operator.DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=9)
+
+
+def reference(query, key, value, pos_key, pos_query, column, keep, scale):
+    """The formula, element by element of the distance: [B, H, L, D] in, [B, L, H * D] out."""
+    batch, heads, length, dim = query.shape
+    scores = scale * query @ key.mT
+    i = torch.arange(length)[:, None]
+    j = torch.arange(length)[None, :]
+    bucket = column[i - j + length - 1]  # [L, L]: the table row of each pair's distance
+    if pos_key is not None:  # c2p[i, j] = q_i . Kr[c(i - j)]
+        scores = scores + torch.einsum("bhid,hijd->bhij", query, pos_key[:, bucket])
+    if pos_query is not None:  # p2c[i, j] = k_j . Qr[c(i - j)]
+        scores = scores + torch.einsum("bhjd,hijd->bhij", key, pos_query[:, bucket])
+    if keep is not None:
+        scores = scores.masked_fill(~keep.bool()[:, None, None, :], -math.inf)
+    weights = scores.softmax(-1)
+    if keep is not None:  # a sequence of padding: uniform over every key
+        empty = ~keep.bool().any(-1)
+        weights[empty] = 1.0 / length
+    return (weights @ value).transpose(1, 2).reshape(batch, length, heads * dim)
+
+
+@pytest.mark.parametrize(
+    ("length", "terms", "masked"),
+    [(1, "both", True), (37, "both", True), (130, "both", False), (37, "c2p", True), (50, "p2c", False)],
+)
+def test_the_operator_computes_the_formula(length, terms, masked):
+    torch.manual_seed(length)
+    batch, heads, dim, scale = 3, 2, 64, 0.125
+    positions = RelativePositions.build(length, span=8, bucket_size=8, max_position=64, device="cpu")
+    width = positions.width
+    query, key, value = (torch.randn(batch, heads, length, dim) for _ in range(3))
+    pos_key = torch.randn(heads, width, dim) * 0.1 if terms in ("both", "c2p") else None
+    pos_query = torch.randn(heads, width, dim) * 0.1 if terms in ("both", "p2c") else None
+    keep = None
+    if masked:
+        keep = torch.ones(batch, length, dtype=torch.uint8)
+        keep[0, (length + 1) // 2 :] = 0
+        keep[1] = 0  # a sequence of padding only
+    column = positions.column.to(torch.int32)
+    c2p_column = (width - 1) - column.flip(0)
+    feeds = {
+        "query": query.transpose(1, 2).reshape(batch, length, heads * dim),
+        "key": key.transpose(1, 2).reshape(batch, length, heads * dim),
+        "value": value.transpose(1, 2).reshape(batch, length, heads * dim),
+        "column": column,
+        "c2p_column": c2p_column,
+    }
+    if pos_key is not None:
+        feeds["pos_key"] = onnx_attention.kernel_tables(pos_key, reverse=True)
+    if pos_query is not None:
+        feeds["pos_query"] = onnx_attention.kernel_tables(pos_query, reverse=False)
+    if keep is not None:
+        feeds["keep"] = keep
+    model = operator_graph(pos_key is not None, pos_query is not None, keep is not None, heads, scale)
+    options = onnxruntime.SessionOptions()
+    ort_operator.register(options)
+    runner = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    (actual,) = runner.run(None, {name: value.contiguous().numpy() for name, value in feeds.items()})
+    expected = reference(query, key, value, pos_key, pos_query, positions.column, keep, scale)
+    difference = (torch.from_numpy(actual) - expected).abs().max().item()
+    print(f"operator vs formula, {batch}x{length}, {terms}, masked {masked}: {difference:.1e}")
+    assert difference <= TOLERANCE
+
+
+def test_the_operator_refuses_bad_shapes():
+    model = operator_graph(True, True, False, heads=2, scale=0.125)
+    options = onnxruntime.SessionOptions()
+    ort_operator.register(options)
+    runner = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    length, width = 5, 16
+    good = {
+        "query": torch.zeros(1, length, 128),
+        "key": torch.zeros(1, length, 128),
+        "value": torch.zeros(1, length, 128),
+        "pos_key": torch.zeros(2, width // 16, 64, 16),
+        "pos_query": torch.zeros(2, width // 16, 64, 16),
+        "column": torch.zeros(2 * length - 1, dtype=torch.int32),
+        "c2p_column": torch.zeros(2 * length - 1, dtype=torch.int32),
+    }
+    for name, bad, message in [
+        ("key", torch.zeros(1, length + 1, 128), "key and value must have the query's shape"),
+        ("query", torch.zeros(1, length, 96), "query must be [B, L, heads * 64]"),
+        ("pos_query", torch.zeros(2, 2, 64, 16), "pos_key and pos_query must be"),
+        ("column", torch.zeros(length, dtype=torch.int32), "column and c2p_column must be [2L - 1]"),
+    ]:
+        feeds = {**good, name: bad}
+        with pytest.raises(Exception, match=re.escape(message)):
+            runner.run(None, {key: value.numpy() for key, value in feeds.items()})
+
+
+CASES = [(head, "v3") for head in HEADS] + [("DisentangledForMultipleChoice", "v2"), ("DisentangledModel", "c2p-only")]
+
+
+@pytest.mark.parametrize(("head", "config_name"), CASES, ids=[f"{head}-{name}" for head, name in CASES])
+def test_every_head_matches_pytorch(tmp_path, head, config_name):
+    folder = save_model(tmp_path, head, config_name)
+    model, task = onnx_export.load_model(folder)
+    path = tmp_path / "model.onnx"
+    onnx_export.export(model, task, path, kernel=True)
+    graph = onnx.load(str(path)).graph
+    assert onnx_export.kernel_nodes(graph) == WIDE["num_hidden_layers"]
+    assert onnx_export.multi_head_attention_nodes(graph) == 0
+    # no [B, H, L, L] gather left: the graph gathers nothing wider than a row of embeddings
+    figures = onnx_export.parity(model, task, path, SHAPES + ([(2, 80)] if config_name == "v3" else []))
+    print(head, config_name, {f"{b}x{n}": f"{f['max_abs_diff']:.1e}" for (b, n), f in figures.items()})
+    assert max(onnx_export.relative_error(figure) for figure in figures.values()) <= TOLERANCE, figures
+
+
+def test_the_command_writes_the_kernel_graph(tmp_path, capsys):
+    folder = save_model(tmp_path, "DisentangledForSequenceClassification", "v3")
+    output = tmp_path / "model.onnx"
+    assert run_cli(str(folder), str(output), "--kernel") == 0
+    printed = capsys.readouterr()
+    assert "disentangled::Attention" in printed.out and "wrote" in printed.out
+    assert "Warning" not in printed.out + printed.err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["model", "model.onnx"]
+    assert onnx_export.kernel_nodes(onnx.load(str(output)).graph) == 2
+    assert run_cli(str(folder), str(tmp_path / "b.onnx"), "--kernel", "--portable") == 2
+    assert "--portable and --kernel" in capsys.readouterr().err
+    assert not (tmp_path / "b.onnx").exists()
+
+
+def test_without_the_library_the_command_says_why(tmp_path, capsys, monkeypatch):
+    folder = save_model(tmp_path, "DisentangledModel", "v3")
+    monkeypatch.setattr(native, "instruction_set", lambda: ("none", "no vector set here (a test)"))
+    monkeypatch.setattr(ort_operator, "_state", {})
+    assert run_cli(str(folder), str(tmp_path / "a.onnx"), "--kernel") == 2
+    error = capsys.readouterr().err
+    assert "no vector set here (a test)" in error and "without --kernel" in error
+    assert not (tmp_path / "a.onnx").exists()
+
+
+def test_accelerated_transformers_deberta_exports_the_kernel_graph(tmp_path):
+    """GLiNER's way with the kernel graph: transformers' DeBERTa-v2 accelerated in place, torch.onnx.export inside
+    `onnx_attention.graph("kernel")`; matches transformers' float32 outputs at the real tokens."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DebertaV2Config(
+        **{key: value for key, value in WIDE.items() if key != "vocab_size"},
+        vocab_size=64,
+        position_buckets=8,
+        max_relative_positions=64,
+        relative_attention=True,
+        pos_att_type="p2c|c2p",
+        position_biased_input=False,
+        norm_rel_ebd="layer_norm",
+    )
+    torch.manual_seed(0)
+    reference_model = transformers.DebertaV2Model(config).eval()
+    inflate_weights(reference_model)
+    model = disentangled.accelerate(copy.deepcopy(reference_model))
+    inputs = onnx_export.example_inputs(reference_model.config, "base", batch=2, length=11)
+    inputs.pop("token_type_ids", None)
+    path = tmp_path / "accelerated.onnx"
+    with onnx_attention.graph("kernel"), onnx_export.quiet_exporter():
+        torch.onnx.export(
+            model,
+            (),
+            kwargs=inputs,
+            f=str(path),
+            input_names=list(inputs),
+            output_names=["last_hidden_state"],
+            dynamic_shapes={name: {0: torch.export.Dim("batch"), 1: torch.export.Dim("sequence")} for name in inputs},
+            dynamo=True,
+        )
+    assert onnx_export.kernel_nodes(onnx.load(str(path)).graph) == config.num_hidden_layers
+    runner = onnx_export.session(path)
+    for batch, length in [(3, 5), (2, 37)]:
+        inputs = onnx_export.example_inputs(reference_model.config, "base", batch, length, seed=length)
+        inputs.pop("token_type_ids", None)
+        with torch.no_grad():
+            expected = reference_model(**inputs).last_hidden_state
+        (actual,) = runner.run(["last_hidden_state"], {k: v.numpy() for k, v in inputs.items()})
+        kept = inputs["attention_mask"].bool()
+        difference = (torch.from_numpy(actual) - expected)[kept].abs().max().item()
+        print(f"accelerated DeBERTa, kernel graph, vs transformers, {batch}x{length}: {difference:.1e}")
+        assert difference <= TOLERANCE
+
+
+def test_the_kernel_graph_quantizes(tmp_path, capsys):
+    """--kernel --quantize int8: the projections become int8 kernels, the attention stays our operator, no error on
+    the way (the quantizer's pre-processing runs with the operator's library loaded)."""
+    folder = save_model(tmp_path, "DisentangledForSequenceClassification", "v3")
+    output = tmp_path / "int8.onnx"
+    assert run_cli(str(folder), str(output), "--kernel", "--quantize", "int8") == 0
+    printed = capsys.readouterr()
+    assert "Traceback" not in printed.out + printed.err and "Failed" not in printed.out + printed.err
+    graph = onnx.load(str(output)).graph
+    assert onnx_export.kernel_nodes(graph) == 2
+    assert any(node.op_type in ("MatMulInteger", "DynamicQuantizeMatMul") for node in graph.node)
+
+
+def test_the_serving_page_kernel_recipe(tmp_path, monkeypatch):
+    """docs/serving.md's `--kernel` session block, read from the page and run as written on a graph exported here;
+    the session it makes computes the model."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    block = re.search(
+        r"<!-- covered: tests/test_onnx_kernel.py::test_the_serving_page_kernel_recipe[^\n]*\n```python\n(.*?)```",
+        page,
+        re.S,
+    )
+    assert block, "the --kernel session block of docs/serving.md"
+    folder = save_model(tmp_path, "DisentangledModel", "v3")
+    model, task = onnx_export.load_model(folder)
+    onnx_export.export(model, task, tmp_path / "model-kernel.onnx", kernel=True)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(block[1], "docs/serving.md", "exec"), namespace)  # noqa: S102  (the page's own code)
+    inputs = onnx_export.example_inputs(model.config, "base", batch=3, length=20, seed=3)
+    (actual,) = namespace["kernel_session"].run(None, {name: value.numpy() for name, value in inputs.items()})
+    with torch.no_grad():
+        expected = model(**inputs).last_hidden_state
+    assert (torch.from_numpy(actual) - expected).abs().max().item() <= TOLERANCE
