@@ -186,7 +186,7 @@ def test_failed_export_leaves_nothing(trained, tmp_path, monkeypatch):
     """A failure after the file was started (here: in the exporter) leaves neither OUT.onnx nor temporaries."""
     _, folder, _ = trained
 
-    def broken(model, task, path, opset, portable):
+    def broken(model, task, path, opset, portable, kernel=False):
         path.write_bytes(b"half")
         raise ValueError("export failed")
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
 import json
 import logging
@@ -269,15 +270,63 @@ def einsums_to_matmuls(graph) -> int:
     return count
 
 
-def lean_graph(path: str | Path) -> int:
-    """`einsums_to_matmuls` on the ONNX file at `path`, in place; returns the number of rewritten Einsums."""
+def lean_graph(path: str | Path, fuse: bool = False) -> int:
+    """`einsums_to_matmuls` on the ONNX file at `path`, in place; returns the number of rewritten Einsums. With
+    `fuse`, then `fuse_for_onnxruntime` (graphs for ONNX Runtime only)."""
     import onnx
 
     model = onnx.load(str(path))
     count = einsums_to_matmuls(model.graph)
     if count:
         onnx.save(model, str(path))
+    if fuse:
+        fuse_for_onnxruntime(path)
     return count
+
+
+FUSED_OPERATORS = ("Gelu", "BiasGelu")
+
+
+def fuse_for_onnxruntime(path: str | Path) -> dict[str, int]:
+    """Two of ONNX Runtime's transformer-optimizer fusions on the file at `path`, in place: exact GELU (the exporter's
+    Div, Erf, Add, Mul, Mul) into `Gelu`, then the feed-forward's bias with it into `BiasGelu`, as in an optimized
+    BERT (ONNX Runtime's session fuses residual adds and LayerNorms into SkipLayerNormalization itself). The fusion
+    classes only, not `optimize_model`: its attention and embedding fusions are BERT's, and its node sort takes the
+    empty name of an absent optional input for a missing one. Returns the count of each fused operator."""
+    import onnx
+    from onnxruntime.transformers.fusion_biasgelu import FusionBiasGelu
+    from onnxruntime.transformers.fusion_gelu import FusionGelu
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    model = OnnxModel(onnx.load(str(path)))
+    with quiet_exporter():
+        FusionGelu(model).apply()
+        FusionBiasGelu(model, is_fastgelu=False).apply()
+    topological_order(model.model.graph)
+    onnx.save(model.model, str(path))
+    return {name: sum(node.op_type == name for node in model.model.graph.node) for name in FUSED_OPERATORS}
+
+
+def topological_order(graph) -> None:
+    """The graph's nodes put in an order where each comes after the nodes it reads (the fusions append theirs), in
+    place; the empty name (an absent optional input) is always ready."""
+    ready = {"", *(value.name for value in graph.input), *(tensor.name for tensor in graph.initializer)}
+    pending, ordered = list(graph.node), []
+    while pending:
+        waiting = []
+        for node in pending:
+            if all(name in ready for name in node.input):
+                ordered.append(node)
+                ready.update(node.output)
+            else:
+                waiting.append(node)
+        if len(waiting) == len(pending):
+            missing = sorted({name for node in waiting for name in node.input if name not in ready})[:3]
+            raise ValueError(f"the ONNX graph reads values that no node makes: {missing}")
+        pending = waiting
+    copies = [copy.deepcopy(node) for node in ordered]
+    del graph.node[:]
+    graph.node.extend(copies)
 
 
 def quantize_int8(
@@ -627,7 +676,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.stem}-") as folder:
         written = Path(folder) / output.name  # beside OUT.onnx, moved there only once complete and checked
         export(model, task, written, opset=args.opset, portable=args.portable, kernel=args.kernel and not portable)
-        lean_graph(written)
+        lean_graph(written, fuse=not portable)
         if args.quantize == "int8":
             quantize_int8(written, Path(folder) / "int8.onnx")
             os.replace(Path(folder) / "int8.onnx", written)
