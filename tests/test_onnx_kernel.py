@@ -291,3 +291,32 @@ def test_the_serving_page_kernel_recipe(tmp_path, monkeypatch):
     with torch.no_grad():
         expected = model(**inputs).last_hidden_state
     assert (torch.from_numpy(actual) - expected).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["default-graph", "kernel-graph"])
+def test_on_onnxruntimes_cuda_provider(tmp_path, kernel):
+    """Where onnxruntime-gpu is installed with a GPU: the default graph runs on CUDAExecutionProvider
+    (MultiHeadAttention has a CUDA kernel), the kernel graph with our node on the CPU and the rest on the GPU; both
+    match PyTorch (1e-4: the GPU's float32 products sum in another order)."""
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers() or not torch.cuda.is_available():
+        pytest.skip("no CUDA provider in this onnxruntime, or no GPU (a GPU session runs this)")
+    folder = save_model(tmp_path, "DisentangledModel", "v3")
+    model, task = onnx_export.load_model(folder)
+    path = tmp_path / "model.onnx"
+    onnx_export.export(model, task, path, kernel=kernel)
+    onnx_export.lean_graph(path, fuse=True)
+    options = onnxruntime.SessionOptions()
+    if kernel:
+        ort_operator.register(options)
+    runner = onnxruntime.InferenceSession(
+        str(path), options, providers=["CUDAExecutionProvider", "CPUExecutionProvider"]
+    )
+    assert runner.get_providers()[0] == "CUDAExecutionProvider"
+    for batch, length in [(3, 5), (2, 80)]:
+        inputs = onnx_export.example_inputs(model.config, "base", batch, length, seed=length)
+        with torch.no_grad():
+            expected = model(**inputs).last_hidden_state
+        (actual,) = runner.run(None, {name: value.numpy() for name, value in inputs.items()})
+        difference = (torch.from_numpy(actual) - expected).abs().max().item()
+        print(f"CUDA provider, {'kernel' if kernel else 'default'} graph, {batch}x{length}: {difference:.1e}")
+        assert difference <= 1e-4

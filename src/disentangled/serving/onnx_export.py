@@ -701,6 +701,11 @@ def run(args: argparse.Namespace) -> int:
             if file.is_file():
                 os.replace(file, output.parent / file.name)
     print(f"wrote {output}")
+    if not portable and not args.kernel and ort_operator.why_unavailable() is None:
+        print(
+            "  (--kernel writes our attention operator instead: faster on the CPU, for sessions that load this "
+            "package's library; see the serving page)"
+        )
     return 0
 
 
