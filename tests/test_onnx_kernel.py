@@ -320,3 +320,28 @@ def test_on_onnxruntimes_cuda_provider(tmp_path, kernel):
         difference = (torch.from_numpy(actual) - expected).abs().max().item()
         print(f"CUDA provider, {'kernel' if kernel else 'default'} graph, {batch}x{length}: {difference:.1e}")
         assert difference <= 1e-4
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_threads_share_one_kernel_session(tmp_path, threads):
+    """Several threads calling one session at once (a server's way), with ONNX Runtime running the operator on 1 or
+    3 threads of its own: every answer equals the one-thread, one-caller answer (the operator's workspaces are
+    claimed per item, never shared by two items at once)."""
+    import concurrent.futures
+
+    folder = save_model(tmp_path, "DisentangledModel", "v3")
+    model, task = onnx_export.load_model(folder)
+    path = tmp_path / "model.onnx"
+    onnx_export.export(model, task, path, kernel=True)
+    runner = onnx_export.session(path, threads=threads)
+    batches = [onnx_export.example_inputs(model.config, "base", 3, length, seed=length) for length in (7, 40, 90)]
+    feeds = [{name: value.numpy() for name, value in inputs.items()} for inputs in batches]
+    alone = [runner.run(None, feed)[0] for feed in feeds]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda index: runner.run(None, feeds[index % 3])[0], range(24)))
+    for index, output in enumerate(together):
+        assert (output == alone[index % 3]).all()
+    for inputs, output in zip(batches, alone):
+        with torch.no_grad():
+            expected = model(**inputs).last_hidden_state
+        assert (torch.from_numpy(output) - expected).abs().max().item() <= TOLERANCE

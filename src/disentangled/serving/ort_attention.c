@@ -25,6 +25,7 @@
 #include "position_bias.c"
 
 #include <sched.h>
+#include <stdatomic.h>
 #include <stdio.h>
 
 typedef struct OrtStatus OrtStatus;
@@ -154,21 +155,59 @@ static OrtStatus *read_input(OrtKernelContext *context, size_t index, Input *inp
     return status;
 }
 
-/* ---- One call: the items of attend() shared among ONNX Runtime's threads, a workspace for each share ---- */
+/* ---- Workspaces: one per thread running an item at once, kept for the next call ----
+
+   ONNX Runtime hands each item to whichever of its threads is free and says not which thread that is, so an item
+   takes a free workspace from a pool shared by every node and session of the process (a lock-free claim of a slot),
+   grows it if the call needs more, and gives it back. The pool holds at most as many workspaces as items ever ran at
+   once (the threads that run the operator), each as large as the longest input seen: a session of one thread keeps
+   one, whatever the number of processors. */
+
+#define SLOTS 512
+typedef struct {
+    atomic_int busy;
+    char *buffer;
+    int64_t bytes;
+} Slot;
+static Slot slots[SLOTS];
+
+static Slot *claim(int64_t bytes) {
+    for (int i = 0; i < SLOTS; i++) {
+        int expected = 0;
+        if (!atomic_load_explicit(&slots[i].busy, memory_order_relaxed) &&
+            atomic_compare_exchange_strong(&slots[i].busy, &expected, 1)) {
+            Slot *slot = &slots[i];
+            if (slot->bytes < bytes) {
+                free(slot->buffer);
+                slot->buffer = aligned_alloc(64, (size_t)bytes);
+                slot->bytes = slot->buffer ? bytes : 0;
+            }
+            if (slot->buffer) return slot;
+            atomic_store(&slot->busy, 0);
+            return NULL;
+        }
+    }
+    return NULL; /* more than SLOTS items at once */
+}
+
+/* ---- One call: attend()'s items on ONNX Runtime's threads ---- */
 
 typedef struct {
     AttendArgs args;
-    int64_t chunks, items, shares, share_bytes;
-    char *workspace;
-    int failed;
+    int64_t chunks, bytes;
+    atomic_int failed; /* 1: no vector set; 2: no memory for a workspace */
 } Call;
 
-static void run_share(void *data, size_t share) {
+static void run_item(void *data, size_t item) {
     Call *call = data;
-    const int64_t begin = call->items * (int64_t)share / call->shares;
-    const int64_t end = call->items * ((int64_t)share + 1) / call->shares;
-    if (attend_part(&call->args, call->chunks, begin, end, call->workspace + (int64_t)share * call->share_bytes))
-        call->failed = 1;
+    Slot *slot = claim(call->bytes);
+    if (slot == NULL) {
+        atomic_store(&call->failed, 2);
+        return;
+    }
+    if (attend_part(&call->args, call->chunks, (int64_t)item, (int64_t)item + 1, slot->buffer))
+        atomic_store(&call->failed, 1);
+    atomic_store(&slot->busy, 0);
 }
 
 /* The processors this process may run on. */
@@ -245,20 +284,18 @@ static OrtStatus *compute(void *state, OrtKernelContext *context) {
                 .scale = kernel->scale,
             },
     };
-    /* as native.attend: where the planes are fewer than the threads, each plane's rows in parts */
+    /* as native.attend: where the planes are fewer than the processors, each plane's rows in parts */
     const int64_t planes = batch * heads, cpus = usable_cpus();
     call.chunks = planes < cpus ? (cpus + planes - 1) / planes : 1;
-    call.items = planes * call.chunks;
-    call.shares = cpus < call.items ? cpus : call.items;
-    call.share_bytes = (workspace_bytes(length, width) + 63) / 64 * 64;
-    call.workspace = aligned_alloc(64, (size_t)(call.shares * call.share_bytes));
-    if (call.workspace == NULL) return fail(ERROR_FAIL, "disentangled::Attention: out of memory for the workspace");
+    call.bytes = (workspace_bytes(length, width) + 63) / 64 * 64;
     status = CALL(API_KERNEL_CONTEXT_PARALLEL_FOR,
                   OrtStatus * (*)(const void *, void (*)(void *, size_t), size_t, size_t, void *))(
-        context, run_share, (size_t)call.shares, 0, &call);
-    free(call.workspace);
+        context, run_item, (size_t)(planes * call.chunks), 0, &call);
     if (status != NULL) return status;
-    if (call.failed) return fail(ERROR_FAIL, "disentangled::Attention: the kernel was built without a vector set");
+    if (atomic_load(&call.failed) == 2)
+        return fail(ERROR_FAIL, "disentangled::Attention: out of memory for the workspace");
+    if (atomic_load(&call.failed) == 1)
+        return fail(ERROR_FAIL, "disentangled::Attention: the kernel was built without a vector set");
 
     /* a sequence with no key kept: every row the mean of the values, as eager attention under the dtype's minimum */
     for (int64_t b = 0; keep->data && b < batch; b++) {
