@@ -347,7 +347,8 @@ def test_export_transformers_refuses_the_decoder_and_rtd_or_exports_the_encoder(
 
 
 def test_wheel_ships_the_model_card_template(tmp_path):
-    """A non-editable install finds model_card.md too: the wheel holds its text, not a dangling link."""
+    """A non-editable install finds model_card.md too: the wheel holds its text, not a dangling link; and the C
+    sources compiled on first use."""
     import subprocess
     import sys
     import zipfile
@@ -378,6 +379,10 @@ def test_wheel_ships_the_model_card_template(tmp_path):
         assert wheel.read("disentangled/model_card.md").decode() == (root / "model_card.md").read_text()
         names = set(wheel.namelist())
     assert {"disentangled/modeling/modeling_disentangled.py", "disentangled/conversion/bundle.py"} <= names
+    # the C sources the package compiles at run time: the CPU kernels and ONNX Runtime's operator around them
+    kernels = ["position_bias.c", "position_bias_avx512.h", "position_bias_avx2.h", "position_bias_neon.h"]
+    assert {f"disentangled/modeling/{name}" for name in kernels} <= names
+    assert "disentangled/serving/ort_attention.c" in names
 
 
 def test_microsoft_mlm_without_a_table_converts_without_the_decoder(converted, tmp_path):
