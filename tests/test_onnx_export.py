@@ -129,12 +129,12 @@ def test_relative_shift_is_the_skew():
         assert torch.equal(onnx_attention.relative_shift(by_distance), expected)
 
 
-def test_accelerated_transformers_deberta_exports_the_fused_graph(tmp_path):
-    """GLiNER's way: transformers' DeBERTa-v2, `disentangled.accelerate(model)`, then torch.onnx.export itself; the
-    graph has the fused attention and matches transformers' own float32 outputs on padded batches (real tokens)."""
+def accelerated_deberta(sizes: dict):
+    """transformers' DebertaV2Model of `sizes` (v3's settings, seeded and inflated weights) and a copy of it after
+    `disentangled.accelerate`."""
     transformers = pytest.importorskip("transformers")
     config = transformers.DebertaV2Config(
-        **{key: value for key, value in TINY.items() if key != "vocab_size"},
+        **{key: value for key, value in sizes.items() if key != "vocab_size"},
         vocab_size=64,
         position_buckets=8,
         max_relative_positions=64,
@@ -146,10 +146,13 @@ def test_accelerated_transformers_deberta_exports_the_fused_graph(tmp_path):
     torch.manual_seed(0)
     reference = transformers.DebertaV2Model(config).eval()
     inflate_weights(reference)
-    model = disentangled.accelerate(copy.deepcopy(reference))
-    inputs = onnx_export.example_inputs(reference.config, "base", batch=2, length=11)
+    return reference, disentangled.accelerate(copy.deepcopy(reference))
+
+
+def export_as_gliner_does(model, path) -> None:
+    """The library's own torch.onnx.export call: dynamic batch and sequence, no token types."""
+    inputs = onnx_export.example_inputs(model.config, "base", batch=2, length=11)
     inputs.pop("token_type_ids", None)
-    path = tmp_path / "accelerated.onnx"
     torch.onnx.export(
         model,
         (),
@@ -160,7 +163,11 @@ def test_accelerated_transformers_deberta_exports_the_fused_graph(tmp_path):
         dynamic_shapes={name: {0: torch.export.Dim("batch"), 1: torch.export.Dim("sequence")} for name in inputs},
         dynamo=True,
     )
-    assert onnx_export.multi_head_attention_nodes(onnx.load(str(path)).graph) == config.num_hidden_layers
+
+
+def assert_matches_transformers(reference, path) -> None:
+    """The graph at `path` in onnxruntime against transformers' float32 model, at the real tokens of padded
+    batches."""
     runner = onnx_export.session(path)
     for batch, length in [(3, 5), (2, 37)]:
         inputs = onnx_export.example_inputs(reference.config, "base", batch, length, seed=length)
@@ -172,6 +179,16 @@ def test_accelerated_transformers_deberta_exports_the_fused_graph(tmp_path):
         difference = (torch.from_numpy(actual) - expected)[kept].abs().max().item()
         print(f"accelerated DeBERTa in onnxruntime vs transformers, {batch}x{length}: {difference:.1e}")
         assert difference <= TOLERANCE
+
+
+def test_accelerated_transformers_deberta_exports_the_fused_graph(tmp_path):
+    """GLiNER's way: transformers' DeBERTa-v2, `disentangled.accelerate(model)`, then torch.onnx.export itself; the
+    graph has the fused attention and matches transformers' own float32 outputs on padded batches (real tokens)."""
+    reference, model = accelerated_deberta(TINY)
+    path = tmp_path / "accelerated.onnx"
+    export_as_gliner_does(model, path)
+    assert onnx_export.multi_head_attention_nodes(onnx.load(str(path)).graph) == reference.config.num_hidden_layers
+    assert_matches_transformers(reference, path)
 
 
 def test_export_restores_the_training_mode(tmp_path):

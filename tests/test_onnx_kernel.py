@@ -7,14 +7,21 @@ torch.onnx.export itself; the refusals (both graphs asked for, bad shapes, no op
 
 from __future__ import annotations
 
-import copy
 import math
 import re
 
 import pytest
 import torch
 from parity import inflate_weights
-from test_onnx_export import HEADS, SHAPES, TOLERANCE, run_cli
+from test_onnx_export import (
+    HEADS,
+    SHAPES,
+    TOLERANCE,
+    accelerated_deberta,
+    assert_matches_transformers,
+    export_as_gliner_does,
+    run_cli,
+)
 
 import disentangled
 from disentangled import DisentangledConfig
@@ -212,47 +219,12 @@ def test_without_the_library_the_command_says_why(tmp_path, capsys, monkeypatch)
 def test_accelerated_transformers_deberta_exports_the_kernel_graph(tmp_path):
     """GLiNER's way with the kernel graph: transformers' DeBERTa-v2 accelerated in place, torch.onnx.export inside
     `onnx_attention.graph("kernel")`; matches transformers' float32 outputs at the real tokens."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.DebertaV2Config(
-        **{key: value for key, value in WIDE.items() if key != "vocab_size"},
-        vocab_size=64,
-        position_buckets=8,
-        max_relative_positions=64,
-        relative_attention=True,
-        pos_att_type="p2c|c2p",
-        position_biased_input=False,
-        norm_rel_ebd="layer_norm",
-    )
-    torch.manual_seed(0)
-    reference_model = transformers.DebertaV2Model(config).eval()
-    inflate_weights(reference_model)
-    model = disentangled.accelerate(copy.deepcopy(reference_model))
-    inputs = onnx_export.example_inputs(reference_model.config, "base", batch=2, length=11)
-    inputs.pop("token_type_ids", None)
+    reference, model = accelerated_deberta(WIDE)
     path = tmp_path / "accelerated.onnx"
     with onnx_attention.graph("kernel"), onnx_export.quiet_exporter():
-        torch.onnx.export(
-            model,
-            (),
-            kwargs=inputs,
-            f=str(path),
-            input_names=list(inputs),
-            output_names=["last_hidden_state"],
-            dynamic_shapes={name: {0: torch.export.Dim("batch"), 1: torch.export.Dim("sequence")} for name in inputs},
-            dynamo=True,
-        )
-    assert onnx_export.kernel_nodes(onnx.load(str(path)).graph) == config.num_hidden_layers
-    runner = onnx_export.session(path)
-    for batch, length in [(3, 5), (2, 37)]:
-        inputs = onnx_export.example_inputs(reference_model.config, "base", batch, length, seed=length)
-        inputs.pop("token_type_ids", None)
-        with torch.no_grad():
-            expected = reference_model(**inputs).last_hidden_state
-        (actual,) = runner.run(["last_hidden_state"], {k: v.numpy() for k, v in inputs.items()})
-        kept = inputs["attention_mask"].bool()
-        difference = (torch.from_numpy(actual) - expected)[kept].abs().max().item()
-        print(f"accelerated DeBERTa, kernel graph, vs transformers, {batch}x{length}: {difference:.1e}")
-        assert difference <= TOLERANCE
+        export_as_gliner_does(model, path)
+    assert onnx_export.kernel_nodes(onnx.load(str(path)).graph) == reference.config.num_hidden_layers
+    assert_matches_transformers(reference, path)
 
 
 def test_the_kernel_graph_quantizes(tmp_path, capsys):
