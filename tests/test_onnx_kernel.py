@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 from parity import inflate_weights
+from test_onnx_export import CONFIGS as EXPORT_CONFIGS
 from test_onnx_export import (
     HEADS,
     SHAPES,
@@ -45,21 +46,8 @@ WIDE = dict(
     hidden_dropout_prob=0.0,
     attention_probs_dropout_prob=0.0,
 )
-CONFIGS = {
-    "v3": dict(position_buckets=8, max_relative_positions=64, num_labels=3),
-    "v2": dict(
-        position_buckets=8,
-        max_relative_positions=32,
-        position_biased_input=True,
-        max_position_embeddings=40,
-        type_vocab_size=2,
-        share_att_key=False,
-        conv_kernel_size=3,
-        pos_att_type="p2c|c2p",
-        num_labels=3,
-    ),
-    "c2p-only": dict(position_buckets=8, max_relative_positions=64, pos_att_type="c2p", num_labels=3),
-}
+# the export tests' v3 and v2 settings, and a model with c2p alone
+CONFIGS = {**EXPORT_CONFIGS, "c2p-only": dict(position_buckets=8, max_relative_positions=64, pos_att_type="c2p")}
 
 
 def save_model(tmp_path, head: str, config_name: str):
