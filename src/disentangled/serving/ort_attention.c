@@ -13,11 +13,12 @@
    Output: [B, L, H * 64]. A sequence with no key to attend to attends uniformly to every key, as PyTorch's eager
    attention does under a mask of the dtype's minimum.
 
-   Built by onnx_runtime.py with the instruction set's flags (native.py), this file and position_bias.c in one unit.
+   Built by ort_operator.py with the instruction set's flags (native.py), this file and position_bias.c in one unit.
    ONNX Runtime's C API is reached through the OrtApiBase it hands RegisterCustomOps: a table of function pointers
    whose order ONNX Runtime never changes (new functions are appended), so the few used here are called by their
-   place in the table (API_*, checked against onnxruntime_c_api.h of API version 17 and later). OrtCustomOp is
-   declared here in the same order as ONNX Runtime's; its version (16) tells ONNX Runtime which fields it may read. */
+   place in the table (API_*, checked against onnxruntime_c_api.h of API version 29; each exists from version 17 on,
+   which is the version asked for). OrtCustomOp is declared here in the same order as ONNX Runtime's; its version
+   (16) tells ONNX Runtime which fields it may read. */
 
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* sched_getaffinity */
@@ -26,7 +27,6 @@
 
 #include <sched.h>
 #include <stdatomic.h>
-#include <stdio.h>
 
 typedef struct OrtStatus OrtStatus;
 typedef void OrtValue, OrtKernelContext, OrtKernelInfo, OrtShapeInfo, OrtDomain, OrtSessionOptions;
