@@ -188,7 +188,11 @@ def test_the_command_writes_the_kernel_graph(tmp_path, capsys):
     assert "disentangled::Attention" in printed.out and "wrote" in printed.out
     assert "Warning" not in printed.out + printed.err
     assert sorted(path.name for path in tmp_path.iterdir()) == ["model", "model.onnx"]
-    assert onnx_export.kernel_nodes(onnx.load(str(output)).graph) == 2
+    graph = onnx.load(str(output)).graph
+    assert onnx_export.kernel_nodes(graph) == 2
+    # the feed-forward's bias and exact GELU, one node per layer (lean_graph's fusion)
+    assert sum(node.op_type == "BiasGelu" for node in graph.node) == 2
+    assert not any(node.op_type == "Erf" for node in graph.node)
     assert run_cli(str(folder), str(tmp_path / "b.onnx"), "--kernel", "--portable") == 2
     assert "--portable and --kernel" in capsys.readouterr().err
     assert not (tmp_path / "b.onnx").exists()

@@ -37,8 +37,9 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from ..modeling import sdpa_attention
+from ..modeling import native, sdpa_attention
 from ..modeling.disentangled_attention import PositionScores
+from ..modeling.workspace import int32_column, per_forward
 
 GRAPHS = ("fused", "kernel", "portable")
 _graph = "fused"
@@ -151,11 +152,17 @@ def kernel_tables(relative: Tensor, reverse: bool) -> Tensor:
     """Kr (rows reversed) or Qr [H, W, 64] as the kernel reads it: zero rows to a multiple of 16, then
     `native.as_key_tiles`' float32 layout [H, W / 16, 64, 16]. Made from the weights alone (a constant folded
     by ONNX Runtime)."""
-    heads, width, dim = relative.shape
+    width = relative.shape[1]
     rows = relative.flip(1) if reverse else relative
-    padded = -(-width // TILE_ROWS) * TILE_ROWS
-    rows = F.pad(rows, (0, 0, 0, padded - width))
-    return rows.reshape(heads, padded // TILE_ROWS, TILE_ROWS, dim).transpose(-1, -2)
+    return native.as_key_tiles(F.pad(rows, (0, 0, 0, -(-width // TILE_ROWS) * TILE_ROWS - width)))
+
+
+def kernel_columns(positions) -> tuple[Tensor, Tensor]:
+    """`native.kernel_columns`' two int32 vectors, made once per forward, without its check that 16 consecutive
+    distances read at most 16 consecutive columns (a data-dependent branch a traced graph cannot hold; true of every
+    released bucket setting, and the export's parity check runs after)."""
+    column = int32_column(positions)
+    return column, per_forward(positions, "c2p column", lambda positions: (positions.width - 1) - column.flip(0))
 
 
 def kernel_attention(
@@ -166,8 +173,7 @@ def kernel_attention(
     of the distances (as `native.kernel_columns` makes them) and the key mask as uint8."""
     batch, heads, length, dim = query.shape
     positions = scores.positions
-    column = positions.column.to(torch.int32)  # [2L - 1]: the table column of distance d at d + L - 1
-    c2p_column = (positions.width - 1) - column.flip(0)  # Kr reversed: at L - 1 - i + j, the column of i - j
+    column, c2p_column = kernel_columns(positions)  # of distance d at d + L - 1; Kr reversed: of i - j at L - 1 - i + j
     tables = [
         kernel_tables(t, reverse) if t is not None else None
         for t, reverse in ((scores.pos_key, True), (scores.pos_query, False))

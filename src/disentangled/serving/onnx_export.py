@@ -701,7 +701,7 @@ def run(args: argparse.Namespace) -> int:
             if file.is_file():
                 os.replace(file, output.parent / file.name)
     print(f"wrote {output}")
-    if not portable and not args.kernel and ort_operator.why_unavailable() is None:
+    if not portable and not args.kernel:  # a hint only: the library is built when a session first needs it
         print(
             "  (--kernel writes our attention operator instead: faster on the CPU, for sessions that load this "
             "package's library; see the serving page)"
