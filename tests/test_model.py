@@ -198,7 +198,9 @@ def test_intermediate_gelu_runs_in_place_only_where_no_graph_needs_its_input(hid
     config = DisentangledConfig(**{**TINY, "hidden_act": hidden_act})
     layer = disentangled.modeling.modeling_disentangled.DisentangledIntermediate(config)
     hidden = torch.randn(3, 5, config.hidden_size, generator=torch.Generator().manual_seed(0))
-    expected = transformers.activations.ACT2FN[hidden_act](torch.nn.functional.linear(hidden, *layer.dense.parameters()))
+    expected = transformers.activations.ACT2FN[hidden_act](
+        torch.nn.functional.linear(hidden, *layer.dense.parameters())
+    )
     with torch.no_grad():
         served = layer(hidden)
     torch.testing.assert_close(served, expected, rtol=0, atol=0)
