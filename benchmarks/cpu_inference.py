@@ -21,6 +21,7 @@ ratios to BERT. Every variant's output is checked equal to the model's (a `--bas
 - `whole-row-add`: the add of the c2p and p2c views over whole block rows (ADD_CHUNK_KEYS above any length);
 - `band-32-keys`, `band-128-keys`: U's bands of 32 or 128 keys (BAND_TABLE_KEYS), not 64;
 - `unpadded-products`: T and U products of their exact widths (PRODUCT_COLUMNS_MULTIPLE=1), not multiples of 16;
+- `gelu-out-of-place`: the feed-forward's GELU into a new tensor (IN_PLACE_GELU=False), not in place;
 - `at-REV` (with `--baseline REV`): `_attend_by_distance` as it was at git revision REV (that commit's
   `modeling/cpu_inference.py`, or `modeling/disentangled_attention.py` before the attention code was split into
   files, loaded beside this one), for a change that is not a module constant.
@@ -65,6 +66,7 @@ VARIANTS = {
     "band-32-keys": {**PYTORCH, "BAND_TABLE_KEYS": 32},
     "band-128-keys": {**PYTORCH, "BAND_TABLE_KEYS": 128},
     "unpadded-products": {**PYTORCH, "PRODUCT_COLUMNS_MULTIPLE": 1},
+    "gelu-out-of-place": {"IN_PLACE_GELU": False},
 }
 # the module each setting is read from (the switches: `dispatch`; `_attend_by_distance`: where `sdpa_disentangled`
 # calls it)
@@ -77,6 +79,7 @@ HOMES = {
     "KERNEL_SPLIT_LENGTH": by_distance,
     "FUSED_FLOAT32": dispatch,
     "CPU_FUSED": dispatch,
+    "IN_PLACE_GELU": dispatch,
     "_attend_by_distance": sdpa_attention,
 }
 

@@ -486,6 +486,7 @@ def test_cpu_inference_variants_run_and_restore_the_module_constants(capsys):
         "KERNEL_SPLIT_LENGTH",
         "CPU_FUSED",
         "FUSED_FLOAT32",
+        "IN_PLACE_GELU",
         "_attend_by_distance",
     )
     before = {name: getattr(cpu_inference.HOMES[name], name) for name in names}

@@ -205,6 +205,8 @@ def test_intermediate_gelu_runs_in_place_only_where_no_graph_needs_its_input(hid
         served = layer(hidden)
     torch.testing.assert_close(served, expected, rtol=0, atol=0)
     assert served._version == (1 if hidden_act == "gelu" else 0)  # written once, in place, after the product
+    with torch.no_grad(), disentangled.modeling.dispatch.switched(IN_PLACE_GELU=False):
+        assert layer(hidden)._version == 0
     trained = layer(hidden)
     assert trained._version == 0
     torch.testing.assert_close(trained, expected, rtol=0, atol=0)
