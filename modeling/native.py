@@ -122,6 +122,15 @@ class _HankelArgs(ctypes.Structure):
     ]
 
 
+class _KeepArgs(ctypes.Structure):
+    _fields_ = [
+        ("out", ctypes.c_void_p),
+        ("count", ctypes.c_int64),
+        ("seed", ctypes.c_uint64),
+        ("threshold", ctypes.c_int64),
+    ]
+
+
 _state: dict = {}
 _lock = threading.Lock()
 
@@ -320,6 +329,8 @@ def _build(flags: tuple[str, ...] | None = None, name: str | None = None) -> cty
     for kernel in ("hankel_bias", "hankel_bias_backward"):
         getattr(loaded, kernel).argtypes = [ctypes.POINTER(_HankelArgs), ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
         getattr(loaded, kernel).restype = ctypes.c_int
+    loaded.keep_mask.argtypes = [ctypes.POINTER(_KeepArgs), ctypes.c_int]
+    loaded.keep_mask.restype = ctypes.c_int
     loaded.workspace_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
     loaded.workspace_bytes.restype = ctypes.c_int64
     loaded.instruction_set.restype = ctypes.c_char_p
@@ -469,6 +480,20 @@ def _hankel(name, scores: Tensor, c2p: Tensor | None, p2c: Tensor | None, column
     if failed:
         raise ValueError(f"{name}: neither table given")
     return scores
+
+
+def keep_mask(out: Tensor, seed: int, threshold: int) -> Tensor:
+    """Dropout's decisions into `out` (contiguous uint8 on the CPU, 1 = keep): entry n is 1 where the 15 bits
+    16 (n % 4) .. 16 (n % 4) + 14 of draw n / 4 are below `threshold` (in [0, 2^15]), draw k being SplitMix64's
+    output function of seed + (k + 1) * 0x9e3779b97f4a7c15 (0 <= seed < 2^64; `position_bias.c`, keep_mask). The
+    same mask on any number of threads."""
+    if out.dtype != torch.uint8 or not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError("keep_mask: out must be a contiguous uint8 CPU tensor")
+    if not 0 <= threshold <= 1 << 15 or not 0 <= seed < 1 << 64:
+        raise ValueError(f"keep_mask: the threshold ({threshold}) must lie in [0, 2^15] and the seed in [0, 2^64)")
+    args = _KeepArgs(out=out.data_ptr(), count=out.numel(), seed=seed, threshold=threshold)
+    _library().keep_mask(ctypes.byref(args), torch.get_num_threads())
+    return out
 
 
 def attend_available(dtype: torch.dtype = torch.bfloat16) -> bool:

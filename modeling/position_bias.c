@@ -1080,6 +1080,45 @@ int attend_part(const AttendArgs *x, int64_t chunks, int64_t begin, int64_t end,
     return 0;
 }
 
+/* ---- Dropout's decisions for CPU training (sdpa_attention.dropout_keep_mask) ----
+
+   out[n] = 1 (keep) where the 15 bits 16 (n % 4) .. 16 (n % 4) + 14 of draw n / 4 are below `threshold`, else 0,
+   for n in [0, count). Draw k is SplitMix64's output function of seed + (k + 1) * 0x9e3779b97f4a7c15 (the
+   generator's k-th output from state `seed`), so that every draw depends on its index alone: the threads split the
+   draws as they like and the mask is the same on any number of them. The seed comes from PyTorch's generator, one
+   per mask, so that torch.manual_seed reproduces a mask and consecutive masks differ. */
+
+static inline uint64_t splitmix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+typedef struct {
+    uint8_t *out;       /* [count] */
+    int64_t count;
+    uint64_t seed;
+    int64_t threshold;  /* keep where the 15 bits are below it: round((1 - p) 2^15) */
+} KeepArgs;
+
+/* The decisions of x->out on `threads` OpenMP threads; returns 1 for a threshold outside [0, 2^15]. */
+int keep_mask(const KeepArgs *x, int threads) {
+    if (x->threshold < 0 || x->threshold > (1 << 15)) return 1;
+    uint8_t *out = x->out;
+    const int64_t draws = x->count / 4;
+    const uint64_t below = (uint64_t)x->threshold, seed = x->seed;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t k = 0; k < draws; k++) {
+        const uint64_t bits = splitmix64(seed + (uint64_t)(k + 1) * 0x9e3779b97f4a7c15ull);
+        for (int lane = 0; lane < 4; lane++) out[4 * k + lane] = ((bits >> (16 * lane)) & 0x7fff) < below;
+    }
+    if (draws * 4 < x->count) { /* the last draw, in part */
+        const uint64_t bits = splitmix64(seed + (uint64_t)(draws + 1) * 0x9e3779b97f4a7c15ull);
+        for (int64_t n = draws * 4; n < x->count; n++) out[n] = ((bits >> (16 * (n % 4))) & 0x7fff) < below;
+    }
+    return 0;
+}
+
 /* The vector set the kernels were built for: "avx512", "avx2", "neon", or "none" (then only the element-by-element
    code is here, and native.py does not use the library). */
 const char *instruction_set(void) {

@@ -9,11 +9,11 @@
        "DKD1"
        int64 arrays;  per array: int64 bytes, then its bytes (a tensor's whole storage)
        int64 calls;   per call:
-           int64 kernel (0 position_bias, 1 hankel_bias, 2 hankel_bias_backward, 3 attend)
+           int64 kernel (0 position_bias, 1 hankel_bias, 2 hankel_bias_backward, 3 attend, 4 keep_mask)
            int64 element_size, planes, chunks (attend), threads
            int64 struct bytes, then the argument struct as native.py built it, its pointers zero
            int64 pointers; per pointer: int64 offset in the struct, array, byte offset in the array (-1: NULL)
-           int64 checks;   per check: int64 array, int64 element (4 float32, 2 bfloat16), double tolerance,
+           int64 checks;   per check: int64 array, int64 element (4 float32, 2 bfloat16, 1 uint8), double tolerance,
                            int64 offset, int64 bytes, then the expected bytes of the array from that offset
 
    attend's workspace is the driver's own (workspace_bytes per thread). Prints one line per call and exits 1 if any
@@ -45,6 +45,7 @@ static void *read_bytes(int64_t count) {
 }
 
 static float as_float(const char *data, int64_t index, int64_t element) {
+    if (element == 1) return ((const uint8_t *)data)[index];
     if (element == 2) return from_bf16(((const uint16_t *)data)[index]);
     return ((const float *)data)[index];
 }
@@ -62,15 +63,16 @@ int main(int argc, char **argv) {
         sizes[a] = read64();
         arrays[a] = read_bytes(sizes[a]);
     }
-    static const char *names[] = {"position_bias", "hankel_bias", "hankel_bias_backward", "attend"};
-    static const size_t struct_sizes[] = {sizeof(BiasArgs), sizeof(HankelArgs), sizeof(HankelArgs), sizeof(AttendArgs)};
+    static const char *names[] = {"position_bias", "hankel_bias", "hankel_bias_backward", "attend", "keep_mask"};
+    static const size_t struct_sizes[] = {sizeof(BiasArgs), sizeof(HankelArgs), sizeof(HankelArgs), sizeof(AttendArgs),
+                                          sizeof(KeepArgs)};
     const int64_t calls = read64();
     int failed = 0;
     printf("instruction set %s, %lld calls\n", instruction_set(), (long long)calls);
     for (int64_t c = 0; c < calls; c++) {
         const int64_t kernel = read64(), element_size = read64(), planes = read64(), chunks = read64();
         const int threads = (int)read64();
-        if (kernel < 0 || kernel > 3) fail("an unknown kernel");
+        if (kernel < 0 || kernel > 4) fail("an unknown kernel");
         const int64_t size = read64();
         if (size != (int64_t)struct_sizes[kernel]) fail("the argument struct's size differs from this build's");
         char *args = read_bytes(size);
@@ -86,6 +88,7 @@ int main(int argc, char **argv) {
         if (kernel == 0) status = position_bias((const BiasArgs *)args, element_size, planes, threads);
         else if (kernel == 1) status = hankel_bias((const HankelArgs *)args, element_size, planes, threads);
         else if (kernel == 2) status = hankel_bias_backward((const HankelArgs *)args, element_size, planes, threads);
+        else if (kernel == 4) status = keep_mask((const KeepArgs *)args, threads);
         else {
             AttendArgs *x = (AttendArgs *)args;
             workspace = aligned_alloc(64, (size_t)((threads * workspace_bytes(x->keys, x->width) + 63) / 64 * 64));
@@ -101,7 +104,7 @@ int main(int argc, char **argv) {
             double tolerance;
             if (fread(&tolerance, 8, 1, in) != 1) fail("the case file ends early");
             const int64_t offset = read64(), bytes = read64();
-            if (array < 0 || array >= count || (element != 2 && element != 4) || offset < 0 || offset % element ||
+            if (array < 0 || array >= count || (element != 1 && element != 2 && element != 4) || offset < 0 || offset % element ||
                 bytes % element || offset + bytes > sizes[array])
                 fail("a check out of range");
             char *expected = read_bytes(bytes), *actual = arrays[array] + offset;
@@ -117,7 +120,7 @@ int main(int argc, char **argv) {
             free(expected);
         }
         printf("call %lld %s (%s): status %d, largest difference %.3g, tolerance %.3g: %s\n", (long long)c,
-               names[kernel], element_size == 2 ? "bfloat16" : "float32", status, worst, allowed, ok ? "ok" : "FAILED");
+               names[kernel], element_size == 2 ? "bfloat16" : element_size == 1 ? "uint8" : "float32", status, worst, allowed, ok ? "ok" : "FAILED");
         failed |= !ok;
         free(workspace);
         free(args);

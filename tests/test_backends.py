@@ -563,10 +563,17 @@ def test_blocked_attention_matches_the_dense_formula(monkeypatch, kernel, length
     assert {"hankel_bias", "hankel_bias_backward"} == set(calls) if kernel else not calls
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["pytorch", "kernel"])
 @pytest.mark.parametrize("dropout", [0.1, 0.5, 0.9])
-def test_dropout_keep_mask_keeps_each_entry_with_the_keep_probability(dropout):
+def test_dropout_keep_mask_keeps_each_entry_with_the_keep_probability(switch, monkeypatch, dropout, kernel):
     """Four entries per 64-bit draw: every lane of the draw (entry index mod 4) and the whole mask keep 1 - p of
-    the entries (within 5 standard deviations), two masks differ, and the seed reproduces one."""
+    the entries (within 5 standard deviations), neighbouring entries and draws are uncorrelated, two masks differ,
+    and the seed reproduces one; from PyTorch's generator, and from the compiled kernel's seeded by it."""
+    if kernel and not native.available():
+        pytest.skip(f"the kernel does not run here: {native.why_unavailable()}")
+    switch(TRAINING_KERNEL=kernel)
+    calls, function = [], sdpa_attention.keep_mask
+    monkeypatch.setattr(sdpa_attention, "keep_mask", lambda *args: calls.append(1) or function(*args))
     torch.manual_seed(0)
     shape = (3, 5, 257, 263)  # an odd entry count: the last draw is used in part
     keep = sdpa_attention.dropout_keep_mask(shape, dropout, "cpu")
@@ -576,9 +583,14 @@ def test_dropout_keep_mask_keeps_each_entry_with_the_keep_probability(dropout):
     flat = keep.flatten()[: keep.numel() // 4 * 4].view(-1, 4).double()
     for fraction, count in [(keep.double().mean(), keep.numel())] + [(lane.mean(), len(lane)) for lane in flat.T]:
         assert abs(fraction - expected) <= 5 * math.sqrt(expected * (1 - expected) / count), (fraction, expected)
+    centred = keep.flatten().double() - expected
+    bound = 5 * expected * (1 - expected) / math.sqrt(keep.numel())  # 5 standard deviations of a product's mean
+    for lag in (1, 4, 263):  # the next entry, the next draw's same lane, the next row
+        assert abs((centred[:-lag] * centred[lag:]).mean()) <= bound, lag
     assert not torch.equal(keep, sdpa_attention.dropout_keep_mask(shape, dropout, "cpu"))
     torch.manual_seed(0)
     assert torch.equal(keep, sdpa_attention.dropout_keep_mask(shape, dropout, "cpu"))
+    assert len(calls) == (3 if kernel else 0)
 
 
 def test_model_dropout_on_the_cpu_drops_p_and_rescales_the_rest():

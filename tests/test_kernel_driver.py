@@ -26,7 +26,7 @@ import pytest
 import torch
 from test_fused_attention import SCALE, formula
 from test_fused_attention import inputs as attention_inputs
-from test_native import POSITIONS, hankel_reference, reference, tables
+from test_native import POSITIONS, hankel_reference, reference, splitmix64_keep, tables
 
 from disentangled.modeling import native
 from disentangled.modeling.disentangled_attention import RelativePositions
@@ -34,7 +34,7 @@ from disentangled.modeling.workspace import int32_column
 from disentangled.serving import ort_operator
 
 DRIVER = Path(__file__).with_name("kernel_driver.c")
-KERNELS = {"position_bias": 0, "hankel_bias": 1, "hankel_bias_backward": 2, "attend": 3}
+KERNELS = {"position_bias": 0, "hankel_bias": 1, "hankel_bias_backward": 2, "attend": 3, "keep_mask": 4}
 AARCH64_SYSROOT = Path("/usr/aarch64-linux-gnu")
 
 
@@ -95,6 +95,9 @@ class Recording:
 
     def attend(self, args, element_size, planes, chunks, threads):
         return self._record("attend", args, element_size, planes, chunks, threads)
+
+    def keep_mask(self, args, threads):
+        return self._record("keep_mask", args, 1, 0, 0, threads)
 
     def workspace_bytes(self, keys, width):
         return 0  # the driver allocates attend's workspace for its threads
@@ -237,6 +240,16 @@ def record_attention_calls(recording: Recording) -> None:
                 recording.expect(out, expected, float32_tolerance(expected))
 
 
+def record_dropout_calls(recording: Recording) -> None:
+    """`native.keep_mask` as dropout_keep_mask calls it: whole draws and a last one used in part, a seed above 2^63,
+    keep probabilities 0, 0.9 and 1; the expected bytes from the formula (`splitmix64_keep`, test_native.py)."""
+    for count, seed, threshold in [(4 * 997, 12345, 29491), (1003, 2**64 - 5, 29491), (64, 7, 0), (65, 8, 1 << 15)]:
+        out = torch.full((count,), 7, dtype=torch.uint8)
+        recording.track(out)
+        native.keep_mask(out, seed, threshold)
+        recording.expect(out, splitmix64_keep(count, seed, threshold))
+
+
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory) -> Path:
     """The recorded calls, their inputs and expected outputs, in one case file (a few tens of MiB)."""
@@ -250,6 +263,7 @@ def cases(tmp_path_factory) -> Path:
         record_bias_calls(recording)
         record_training_calls(recording)
         record_attention_calls(recording)
+        record_dropout_calls(recording)
     finally:
         native._state.clear()
         native._state.update(saved)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from parity import inflate_weights, max_abs_diff, padded_batch
@@ -303,6 +304,51 @@ def test_training_kernel_rejects_wrong_inputs():
         native.hankel_bias(out.mT, c2p, p2c, column, True)
     with pytest.raises(ValueError, match="rows \\+ keys - 1"):
         native.hankel_bias(out, c2p, p2c, column[-10:], True)
+
+
+def splitmix64_keep(count: int, seed: int, threshold: int) -> torch.Tensor:
+    """Dropout's decisions from the formula, in numpy's wrapping uint64 arithmetic: entry n keeps where the 15 bits
+    16 (n % 4) .. of draw n / 4 are below `threshold`, draw k being SplitMix64's mix of seed + (k + 1) * gamma."""
+    k = np.arange(1, (count + 3) // 4 + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = np.uint64(seed) + k * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    lanes = (z[:, None] >> (np.uint64(16) * np.arange(4, dtype=np.uint64))) & np.uint64(0x7FFF)
+    return torch.from_numpy((lanes.reshape(-1)[:count] < threshold).astype(np.uint8))
+
+
+@pytest.mark.parametrize("count", [1, 4, 4 * 1001, 4 * 1001 + 3])
+@pytest.mark.parametrize("seed", [0, 2**63 + 11, 2**64 - 1])
+def test_dropout_kernel_matches_the_formula_on_any_thread_count(count, seed):
+    """native.keep_mask against splitmix64_keep, byte for byte, at keep probabilities 0, 0.9, 1 and on 1 and 2
+    threads (each draw depends on its index alone)."""
+    if not native.available():
+        pytest.skip(f"the kernel does not run here: {native.why_unavailable()}")
+    threads = torch.get_num_threads()
+    try:
+        for threshold in (0, round(0.9 * 2**15), 2**15):
+            expected = splitmix64_keep(count, seed, threshold)
+            for used in (1, 2):
+                torch.set_num_threads(used)
+                got = native.keep_mask(torch.full((count,), 7, dtype=torch.uint8), seed, threshold)
+                assert torch.equal(got, expected), (threshold, used)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_dropout_kernel_rejects_wrong_inputs():
+    if not native.available():
+        pytest.skip(f"the kernel does not run here: {native.why_unavailable()}")
+    with pytest.raises(ValueError, match="uint8"):
+        native.keep_mask(torch.empty(8, dtype=torch.bool), 1, 100)
+    with pytest.raises(ValueError, match="contiguous"):
+        native.keep_mask(torch.empty(8, 2, dtype=torch.uint8).mT, 1, 100)
+    with pytest.raises(ValueError, match="threshold"):
+        native.keep_mask(torch.empty(8, dtype=torch.uint8), 1, 2**15 + 1)
+    with pytest.raises(ValueError, match="seed"):
+        native.keep_mask(torch.empty(8, dtype=torch.uint8), -1, 100)
 
 
 def parameter_gradients(built, batch) -> dict[str, torch.Tensor]:
