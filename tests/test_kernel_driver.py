@@ -7,7 +7,7 @@ expected outputs are the formulas of tests/test_native.py and tests/test_fused_a
 one, float32 and bfloat16, bit for bit: sums in float32, rounded once), CPU training's bias with the keys reversed and
 its gradient summed into the tables (float32 within 1e-5; bfloat16 within one rounding), and the fused attention in
 float32 (within 1e-5), with and without key masks, ragged tails, tiles beyond the buckets' reach, log buckets and
-clipped distances. The driver is cross-compiled for aarch64 (Debian's gcc-aarch64-linux-gnu) and run under
+clipped distances; and dropout's decisions (byte for byte, against the formula in numpy). The driver is cross-compiled for aarch64 (Debian's gcc-aarch64-linux-gnu) and run under
 qemu-aarch64 (qemu-user): the NEON build; and built natively for AVX2 (forced) and AVX-512 where the processor has it.
 The source also builds warning-free (-Wall -Wextra -Werror) with gcc and clang for every set. A target whose compiler
 or emulator is missing is skipped with the reason (.ci/run installs them).
