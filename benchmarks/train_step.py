@@ -5,6 +5,7 @@
     python -m benchmarks.train_step --cases 2x512 --threads 2 --no-eager --baseline c965533 --processes 5
     python -m benchmarks.train_step --cases 2x512 --threads 2 --no-eager --baseline c965533 --back-to-back
     python -m benchmarks.train_step --cases 2x512 --threads 2 --no-eager --baseline c965533 --dtype bfloat16
+    python -m benchmarks.train_step --cases 4x128 2x512 --threads 2 --no-eager --pytorch-dropout --processes 3
 
 The models, weights and inputs of `benchmarks.run` (v3-base shape, dropout as in training, the last row padded to
 3/4), run interleaved (or, with `--back-to-back`, each model's steps one after another, as when one model trains
@@ -15,6 +16,8 @@ REV (that commit's `modeling/sdpa_attention.py`, loaded beside this one), so tha
 path is timed against what it replaced in the same process; its gradients are checked against the model's to 1e-4
 first (2e-2 in bfloat16). `--dtype bfloat16` runs each step under CPU autocast, as `benchmarks.run` does.
 `--processes N` runs the comparison in N fresh processes and prints each ratio's median over them with its range.
+`--pytorch-dropout` also times the sdpa model with dropout's decisions drawn by PyTorch's generator
+(`dispatch.DROPOUT_KERNEL = False`), not by the compiled kernel.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ import torch
 from benchmarks import machine
 from benchmarks.cpu_inference import baseline_backends, held_mib
 from benchmarks.run import build_models, in_fresh_processes, inputs_for, print_ratio_medians, time_once
-from disentangled.modeling import modeling_disentangled, sdpa_attention
+from disentangled.modeling import dispatch, modeling_disentangled, sdpa_attention
+
+PYTORCH_DROPOUT = "ours-sdpa, PyTorch's dropout draws"
 
 
 def gradients(model, inputs, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -55,6 +60,8 @@ def timings(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         )
     ours = models["ours-sdpa"]
     steps = dict(models)
+    if args.pytorch_dropout:
+        steps[PYTORCH_DROPOUT] = ours
     if baseline is not None:
         steps[f"ours-sdpa at {args.baseline}"] = ours
     functions = modeling_disentangled.DISENTANGLED_ATTENTION_FUNCTIONS
@@ -65,7 +72,8 @@ def timings(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         """Seconds of one step of `name`, and the minor page faults it took (first touches of fresh memory)."""
         functions["sdpa"] = baseline if name.startswith("ours-sdpa at") else sdpa_attention.sdpa_disentangled
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        seconds = time_once(steps[name], inputs, True, dtype)
+        with dispatch.switched(DROPOUT_KERNEL=name != PYTORCH_DROPOUT):
+            seconds = time_once(steps[name], inputs, True, dtype)
         return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
     medians = {}
@@ -131,6 +139,11 @@ def main(argv: list[str] | None = None) -> None:
         "--back-to-back", action="store_true", help="each model's steps one after another, not interleaved"
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16: CPU autocast")
+    parser.add_argument(
+        "--pytorch-dropout",
+        action="store_true",
+        help="also time ours-sdpa with dropout's decisions by PyTorch's generator",
+    )
     parser.add_argument("--child-results", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.processes < 1:

@@ -67,7 +67,8 @@ TRITON = os.environ.get("DISENTANGLED_TRITON", "check")  # "0", "1" or "check"
 CPU_KERNEL = True  # the compiled CPU kernels in inference (False: the pure-PyTorch path everywhere; tests, A/B timing)
 CPU_FUSED = True  # the fused CPU attention (`cpu_inference._attend_fused`) where it can run (False: the bias kernel)
 FUSED_FLOAT32 = True  # float32 takes the fused attention too (False: the bias kernel and SDPA; A/B timing)
-TRAINING_KERNEL = True  # CPU training's bias, its gradient and dropout's decisions by the compiled kernel
+TRAINING_KERNEL = True  # CPU training's bias and its gradient by the compiled kernel (`native.hankel_bias`)
+DROPOUT_KERNEL = True  # dropout's decisions in CPU training by the compiled kernel (False: PyTorch's generator)
 FLEX_COMPILED = True  # flex_attention compiled (False: its dense reference of the same score_mod; tests)
 KEEP_WORKSPACE = True  # the blocked CPU paths keep their buffers between calls (False: fresh ones each call)
 IN_PLACE_GELU = True  # the feed-forward's exact GELU in place where no graph needs its input (False: A/B timing)
@@ -76,7 +77,8 @@ SWITCHES = {  # name: (the environment variable users set, or None: an attribute
     "CPU_KERNEL": (None, "the compiled CPU kernels in inference (bias kernel and fused attention)"),
     "CPU_FUSED": (None, "the fused CPU attention where it can run"),
     "FUSED_FLOAT32": (None, "the fused CPU attention in float32 too"),
-    "TRAINING_KERNEL": (None, "CPU training's bias, its gradient and dropout's decisions by the compiled kernel"),
+    "TRAINING_KERNEL": (None, "CPU training's bias and its gradient by the compiled kernel"),
+    "DROPOUT_KERNEL": (None, "dropout's decisions in CPU training by the compiled kernel"),
     "FLEX_COMPILED": (None, "flex_attention compiled, not its dense reference"),
     "KEEP_WORKSPACE": (None, "the blocked CPU paths keep their buffers between calls"),
     "IN_PLACE_GELU": (None, "the feed-forward's exact GELU in place where no graph needs its input"),

@@ -427,7 +427,7 @@ def dropout_keep_mask(shape: tuple[int, ...], dropout: float, device) -> Tensor:
     CUDA flash attention rounds it to a multiple of 1/255.
     """
     count, threshold = math.prod(shape), round((1 - dropout) * (1 << DROPOUT_BITS))
-    if torch.device(device).type == "cpu" and switch_value("TRAINING_KERNEL") and not is_tracing() and available():
+    if torch.device(device).type == "cpu" and switch_value("DROPOUT_KERNEL") and not is_tracing() and available():
         # the compiled kernel: the same layout of 15-bit lanes, from a counter-based generator seeded by one draw of
         # PyTorch's (an eighth of the time of the three passes below at [12, 512, 512], 2 threads)
         seed = int(torch.empty((), dtype=torch.int64).random_())

@@ -571,7 +571,7 @@ def test_dropout_keep_mask_keeps_each_entry_with_the_keep_probability(switch, mo
     and the seed reproduces one; from PyTorch's generator, and from the compiled kernel's seeded by it."""
     if kernel and not native.available():
         pytest.skip(f"the kernel does not run here: {native.why_unavailable()}")
-    switch(TRAINING_KERNEL=kernel)
+    switch(DROPOUT_KERNEL=kernel)
     calls, function = [], sdpa_attention.keep_mask
     monkeypatch.setattr(sdpa_attention, "keep_mask", lambda *args: calls.append(1) or function(*args))
     torch.manual_seed(0)

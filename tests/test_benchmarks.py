@@ -642,3 +642,24 @@ def test_attention_sinks_against_hand_computed():
         # second layer, every row shifted one key to the right: [CLS] gets what the last key had, [SEP] the one before
         assert found["cls"][1] == pytest.approx((0.1 + 0.2 + 0.0) / 3)
         assert found["sep"][1] == pytest.approx((0.2 + 0.2 + 0.2) / 3)
+
+
+def test_train_step_times_pytorchs_dropout_draws_beside_the_kernels(monkeypatch, capsys):
+    """--pytorch-dropout adds the sdpa model with dropout's decisions drawn by PyTorch's generator: those steps run
+    with the switch off (no kernel call), the others with it on, and the switch is on afterwards."""
+    from benchmarks import train_step
+    from disentangled.modeling import dispatch, native, sdpa_attention
+
+    if not native.available():
+        pytest.skip(f"the kernel does not run here: {native.why_unavailable()}")
+    drawn = []  # for each dropout mask: whether the kernel drew it
+    function = sdpa_attention.dropout_keep_mask
+    monkeypatch.setattr(
+        sdpa_attention, "dropout_keep_mask", lambda *args: drawn.append(dispatch.DROPOUT_KERNEL) or function(*args)
+    )
+    monkeypatch.setattr(train_step.modeling_disentangled, "dropout_keep_mask", sdpa_attention.dropout_keep_mask)
+    train_step.main(["--cases", "2x48", "--layers", "1", "--repeats", "1", "--no-eager", "--pytorch-dropout"])
+    printed = capsys.readouterr().out
+    rows = [line.split(" | ")[0] for line in printed.splitlines() if line.startswith("| ") and " ms |" in line]
+    assert rows == ["| ours-sdpa", "| transformers-deberta", "| bert-sdpa", f"| {train_step.PYTORCH_DROPOUT}"]
+    assert True in drawn and False in drawn and dispatch.DROPOUT_KERNEL
