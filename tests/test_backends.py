@@ -611,7 +611,9 @@ def test_model_dropout_on_the_cpu_drops_p_and_rescales_the_rest():
 @pytest.mark.parametrize("kernel", [False, True], ids=["pytorch", "kernel"])
 def test_blocked_attention_in_bfloat16_with_dropout(monkeypatch, kernel):
     """bfloat16 in, bfloat16 gradients out, close to float32 with the same dropout mask (a model cast to bf16),
-    with and without the compiled kernel."""
+    with and without the compiled kernel. Over 12 seeds, with the masks of either generator (DROPOUT_KERNEL on or
+    off), a gradient's worst element was up to 0.103 of its largest off and its norm-wise error up to 0.043: hence
+    0.12 and 0.05 (a wrong mask or dtype gives errors of the order of the gradient itself)."""
     calls = training_kernel(monkeypatch, kernel)
     *tensors, keep, positions = blocked_attention_inputs(torch.float32, length=20)
     low = [t.detach().bfloat16().requires_grad_() for t in tensors]
@@ -625,5 +627,6 @@ def test_blocked_attention_in_bfloat16_with_dropout(monkeypatch, kernel):
     assert low_context.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in low_grads)
     assert (low_context.float() - context).abs().max() <= 6e-2 * max(1.0, context.abs().max().item())
     for got, want in zip(low_grads, grads):
-        assert (got.float() - want).abs().max() <= 6e-2 * max(1.0, want.abs().max().item())
+        assert (got.float() - want).abs().max() <= 0.12 * max(1.0, want.abs().max().item())
+        assert (got.float() - want).norm() <= 5e-2 * want.norm()
     assert bool(calls) == kernel
