@@ -388,11 +388,17 @@ class DisentangledIntermediate(nn.Module):
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         hidden_states = self.dense(hidden_states)
-        if self.exact_gelu and not hidden_states.requires_grad and not is_tracing() and switch_value("IN_PLACE_GELU"):
+        if self.exact_gelu and not hidden_states.requires_grad and self._nothing_sees_the_product():
             # the same GELU in place: the layer's largest activation is not allocated a second time (from 4,096
             # tokens on, glibc maps such a tensor afresh on every call and its pages fault in as it is written)
             return torch.ops.aten.gelu_(hidden_states)
         return self.intermediate_act_fn(hidden_states)
+
+    def _nothing_sees_the_product(self) -> bool:
+        """No forward hook (the dense layer's own or a global one) may hold the product, no graph is traced, and the
+        switch is on."""
+        hooked = self.dense._forward_hooks or nn.modules.module._global_forward_hooks
+        return not hooked and not is_tracing() and switch_value("IN_PLACE_GELU")
 
 
 class DisentangledOutput(nn.Module):

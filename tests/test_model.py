@@ -207,6 +207,12 @@ def test_intermediate_gelu_runs_in_place_only_where_no_graph_needs_its_input(hid
     assert served._version == (1 if hidden_act == "gelu" else 0)  # written once, in place, after the product
     with torch.no_grad(), disentangled.modeling.dispatch.switched(IN_PLACE_GELU=False):
         assert layer(hidden)._version == 0
+    seen = []  # a hook on the product keeps it as the dense layer made it
+    handle = layer.dense.register_forward_hook(lambda module, inputs, output: seen.append(output))
+    with torch.no_grad():
+        torch.testing.assert_close(layer(hidden), expected, rtol=0, atol=0)
+    handle.remove()
+    torch.testing.assert_close(seen[0], torch.nn.functional.linear(hidden, *layer.dense.parameters()), rtol=0, atol=0)
     trained = layer(hidden)
     assert trained._version == 0
     torch.testing.assert_close(trained, expected, rtol=0, atol=0)
