@@ -209,8 +209,9 @@ def bias_cost_timings(cases: list[str], dtype: torch.dtype, repeats: int) -> Non
     """What a dense bias costs one layer of v3-base (12 heads of 64), per BATCHxLENGTH case, alone: one SDPA call
     over every row without a bias, with a key bias ([B, 1, 1, L]) and with a dense one ([B, H, L, L]); the compiled
     kernel making that dense bias from T and U by bucket (`native.position_bias`); and the fused attention that makes
-    T, U and the bias inside its tiles (`native.attend`, bfloat16 on AMX or float32 on AVX-512: the whole attention
-    with both terms, to set beside SDPA without a bias). Median milliseconds."""
+    T, U and the bias inside its tiles (`native.attend`, bfloat16 on AMX or float32 with any vector set: the whole
+    attention with both terms, to set beside SDPA without a bias, then with c2p alone and p2c alone, so that each
+    term's cost is the difference). Median milliseconds."""
 
     heads = V3_BASE["num_attention_heads"]
     dim = V3_BASE["hidden_size"] // heads
@@ -218,7 +219,7 @@ def bias_cost_timings(cases: list[str], dtype: torch.dtype, repeats: int) -> Non
     fused = native.attend_available(dtype)
     print(
         "\n| case | SDPA, no bias | key bias | dense bias | the kernel making it | fused attention, both terms |"
-        "\n|---|---|---|---|---|---|"
+        " fused, c2p only | fused, p2c only |\n|---|---|---|---|---|---|---|---|"
     )
     generator = torch.Generator().manual_seed(0)
     for case in cases:
@@ -243,6 +244,9 @@ def bias_cost_timings(cases: list[str], dtype: torch.dtype, repeats: int) -> Non
             workspace = torch.empty(native.workspace_bytes(length, relative[0].shape[1] * 16), dtype=torch.uint8)
             arguments = (out, query, key, value, *relative, *native.kernel_columns(positions), None, slice(0, length))
             calls["fused"] = partial(native.attend, *arguments, dim**-0.5, workspace)
+            for term, tables in (("c2p", (relative[0], None)), ("p2c", (None, relative[1]))):
+                arguments = (out, query, key, value, *tables, *native.kernel_columns(positions), None, slice(0, length))
+                calls[f"fused-{term}"] = partial(native.attend, *arguments, dim**-0.5, workspace)
         times = {name: [] for name in calls}
         with torch.inference_mode():
             for round_ in range(repeats + 1):  # interleaved; the first round warms up
@@ -253,7 +257,7 @@ def bias_cost_timings(cases: list[str], dtype: torch.dtype, repeats: int) -> Non
                         times[name].append(time.perf_counter() - start)
         cells = [
             f"{statistics.median(times[name]) * 1e3:.1f} ms" if name in times else "-"
-            for name in ("none", "key", "dense", "kernel", "fused")
+            for name in ("none", "key", "dense", "kernel", "fused", "fused-c2p", "fused-p2c")
         ]
         print(f"| {case} | {' | '.join(cells)} |")
 

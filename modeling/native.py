@@ -492,7 +492,8 @@ def keep_mask(out: Tensor, seed: int, threshold: int) -> Tensor:
     if not 0 <= threshold <= 1 << 15 or not 0 <= seed < 1 << 64:
         raise ValueError(f"keep_mask: the threshold ({threshold}) must lie in [0, 2^15] and the seed in [0, 2^64)")
     args = _KeepArgs(out=out.data_ptr(), count=out.numel(), seed=seed, threshold=threshold)
-    _library().keep_mask(ctypes.byref(args), torch.get_num_threads())
+    if _library().keep_mask(ctypes.byref(args), torch.get_num_threads()):
+        raise ValueError(f"keep_mask: the kernel refused the threshold {threshold}")
     return out
 
 

@@ -429,7 +429,7 @@ def dropout_keep_mask(shape: tuple[int, ...], dropout: float, device) -> Tensor:
     count, threshold = math.prod(shape), round((1 - dropout) * (1 << DROPOUT_BITS))
     if torch.device(device).type == "cpu" and switch_value("DROPOUT_KERNEL") and not is_tracing() and available():
         # the compiled kernel: the same layout of 15-bit lanes, from a counter-based generator seeded by one draw of
-        # PyTorch's (an eighth of the time of the three passes below at [12, 512, 512], 2 threads)
+        # PyTorch's, in one pass (`benchmarks.train_step --pytorch-dropout` times it against the passes below)
         seed = int(torch.empty((), dtype=torch.int64).random_())
         return keep_mask(torch.empty(count, dtype=torch.uint8), seed, threshold).view(torch.bool).view(shape)
     words = torch.empty(-(-count // 4), dtype=torch.int64, device=device).random_()  # 63 random bits each
