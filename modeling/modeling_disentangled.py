@@ -114,6 +114,26 @@ def weights_key(*tensors: Tensor | None) -> tuple | None:
         return None
 
 
+# The modules whose output `modules_key` reads from their weights alone
+_PLAIN_MODULES = (nn.Linear, nn.Embedding, nn.LayerNorm)
+
+
+def modules_key(*modules: nn.Module | None) -> tuple | None:
+    """`weights_key` of the modules' parameters, where each module's output depends on them alone: a plain
+    `nn.Linear`, `nn.Embedding` or `nn.LayerNorm` (not a subclass) with no forward hook, and no global one. None
+    otherwise, and then nothing is cached: peft's LoRA layers add adapters that they switch on and off by
+    attribute (`disable_adapter`, `set_adapter`), parametrizations and quantized layers compute their weight, and
+    a hook may change the output."""
+    hooks = nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return None
+    present = [module for module in modules if module is not None]
+    for module in present:
+        if type(module) not in _PLAIN_MODULES or module._forward_hooks or module._forward_pre_hooks:
+            return None
+    return weights_key(*(tensor for module in present for tensor in module.parameters()))
+
+
 def inference_cache_allowed(module: nn.Module) -> bool:
     """Position tables depend on weights only; cache them when no graph and no dropout can depend on them, and
     not while a compiler or exporter traces (module state written in a graph would guard and recompile)."""
@@ -217,16 +237,14 @@ class DisentangledSelfAttention(nn.Module):
     def position_projections(self, rel_embeddings: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """The relative rows projected by the key and query projections, scaled: [H, W, D] each.
 
-        In inference (eval mode, no grad) they depend on the weights only and are kept until a weight
-        changes (see `weights_key`); the encoder hands the same `rel_embeddings` tensor while its own weights
-        are unchanged, so that tensor's identity stands for them.
+        In inference (eval mode, no grad), where the projections are plain layers (`modules_key`), they depend on
+        the weights only and are kept until a weight changes (see `weights_key`); the encoder hands the same
+        `rel_embeddings` tensor while its own weights are unchanged, so that tensor's identity stands for them.
         """
         key_proj, query_proj = self.relative_projections()
         cache_key = None
         if inference_cache_allowed(self):
-            weights = [key_proj.weight, key_proj.bias] if key_proj is not None else []
-            weights += [query_proj.weight, query_proj.bias] if query_proj is not None else []
-            cache_key = weights_key(*weights)
+            cache_key = modules_key(key_proj, query_proj)
             cached = self._position_cache
             if cache_key is not None and cached is not None and cached[0] == cache_key and cached[1] is rel_embeddings:
                 return cached[2], cached[3]
@@ -486,8 +504,7 @@ class DisentangledEncoder(nn.Module):
         norm = getattr(self, "LayerNorm", None)
         cache_key = None
         if inference_cache_allowed(self):
-            weights = (self.rel_embeddings.weight,) + ((norm.weight, norm.bias) if norm is not None else ())
-            cache_key = weights_key(*weights)
+            cache_key = modules_key(self.rel_embeddings, norm)
             cache_key = (rows.start, rows.stop, cache_key) if cache_key is not None else None
             if cache_key is not None and self._rel_cache is not None and self._rel_cache[0] == cache_key:
                 return self._rel_cache[1]

@@ -235,6 +235,39 @@ def test_inference_position_cache_follows_weight_updates():
     assert model.encoder._rel_cache is None  # training never caches (dropout, optimizer steps)
 
 
+def test_inference_position_cache_is_not_used_past_a_hook():
+    """A forward hook on a projection (or a global one) may change what it returns: with one, the position
+    projections are made afresh on every call, and the hook sees the relative rows go through."""
+    model = build("sdpa")
+    batch = padded_batch(100, LENGTHS)
+    attention = model.encoder.layer[0].attention.self
+    with torch.no_grad():
+        first = model(**batch).last_hidden_state
+        assert attention._position_cache is not None
+        seen = []
+
+        def doubled(module, inputs, output):
+            seen.append(inputs[0].shape[0])
+            return output * 2
+
+        handle = attention.key_proj.register_forward_hook(doubled)
+        hooked = model(**batch).last_hidden_state
+        assert attention._position_cache is None
+        assert len(seen) == 2  # the hidden states and the relative rows
+        handle.remove()
+        fresh = copy.deepcopy(model)
+        handle = fresh.encoder.layer[0].attention.self.key_proj.register_forward_hook(doubled)
+        fresh.encoder._rel_cache = None
+        for layer in fresh.encoder.layer:
+            layer.attention.self._position_cache = None
+        expected = fresh(**batch).last_hidden_state
+        handle.remove()
+        again = model(**batch).last_hidden_state
+    assert not torch.allclose(hooked, first)
+    torch.testing.assert_close(hooked, expected, rtol=0, atol=0)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+
 def test_only_reachable_relative_rows_are_projected():
     config = disentangled.DisentangledConfig(**dict(TINY, position_buckets=256, max_relative_positions=512))
     positions = disentangled.DisentangledModel(config).encoder.get_rel_index(128, "cpu")

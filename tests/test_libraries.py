@@ -3,6 +3,7 @@ embeddings) through the package and as remote code, and peft LoRA on the attenti
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -88,3 +89,49 @@ def test_lora_on_the_attention_projections_trains_and_merges(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=inputs).logits, adapted, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(reloaded(input_ids=inputs).logits, adapted, rtol=1e-4, atol=1e-5)
+
+
+def _uncached(model, inputs) -> torch.Tensor:
+    """The model's output with no cached position tables: a copy of it, its caches emptied."""
+    fresh = copy.deepcopy(model)
+    for module in fresh.modules():
+        for cache in ("_rel_cache", "_position_cache"):
+            if hasattr(module, cache):
+                setattr(module, cache, None)
+    with torch.no_grad():
+        return fresh(input_ids=inputs).last_hidden_state
+
+
+def test_evaluations_see_the_lora_adapters_as_they_are():
+    """Evaluate; evaluate with the adapters turned off (`disable_adapter`, an attribute of the LoRA layers, so no
+    weight of the projections changes); train the adapters and evaluate again (Trainer's `eval_strategy`). Each
+    evaluation is the model's own, not position projections kept from an earlier one."""
+    torch.manual_seed(0)
+    model = DisentangledModel(tiny_config(tokenizer()))
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["query_proj", "key_proj"]))
+    with torch.no_grad():  # adapters that matter (lora_B starts at zero)
+        for name, parameter in lora.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    inputs = torch.randint(10, 100, (4, 12))
+    lora.eval()
+    with torch.no_grad():
+        adapted = lora(input_ids=inputs).last_hidden_state
+    with lora.disable_adapter(), torch.no_grad():
+        without = lora(input_ids=inputs).last_hidden_state
+        expected = _uncached(lora, inputs)
+    assert not torch.allclose(without, adapted, atol=1e-3)
+    torch.testing.assert_close(without, expected, rtol=0, atol=1e-6)
+
+    lora.train()
+    optimizer = torch.optim.SGD([p for p in lora.parameters() if p.requires_grad], lr=20.0)
+    target = torch.randn(4, 12, model.config.hidden_size)
+    for _ in range(3):
+        (lora(input_ids=inputs).last_hidden_state * target).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    lora.eval()
+    with torch.no_grad():
+        trained = lora(input_ids=inputs).last_hidden_state
+    assert not torch.allclose(trained, adapted, atol=1e-3)
+    torch.testing.assert_close(trained, _uncached(lora, inputs), rtol=0, atol=1e-6)
