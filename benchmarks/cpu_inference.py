@@ -22,6 +22,7 @@ ratios to BERT. Every variant's output is checked equal to the model's (a `--bas
 - `band-32-keys`, `band-128-keys`: U's bands of 32 or 128 keys (BAND_TABLE_KEYS), not 64;
 - `unpadded-products`: T and U products of their exact widths (PRODUCT_COLUMNS_MULTIPLE=1), not multiples of 16;
 - `gelu-out-of-place`: the feed-forward's GELU into a new tensor (IN_PLACE_GELU=False), not in place;
+- `ffn-fresh`: the feed-forward's product into a new tensor (FFN_WORKSPACE=False), not the kept workspace;
 - `at-REV` (with `--baseline REV`): `_attend_by_distance` as it was at git revision REV (that commit's
   `modeling/cpu_inference.py`, or `modeling/disentangled_attention.py` before the attention code was split into
   files, loaded beside this one), for a change that is not a module constant.
@@ -67,6 +68,7 @@ VARIANTS = {
     "band-128-keys": {**PYTORCH, "BAND_TABLE_KEYS": 128},
     "unpadded-products": {**PYTORCH, "PRODUCT_COLUMNS_MULTIPLE": 1},
     "gelu-out-of-place": {"IN_PLACE_GELU": False},
+    "ffn-fresh": {"FFN_WORKSPACE": False},
 }
 # the module each setting is read from (the switches: `dispatch`; `_attend_by_distance`: where `sdpa_disentangled`
 # calls it)
@@ -80,6 +82,7 @@ HOMES = {
     "FUSED_FLOAT32": dispatch,
     "CPU_FUSED": dispatch,
     "IN_PLACE_GELU": dispatch,
+    "FFN_WORKSPACE": dispatch,
     "_attend_by_distance": sdpa_attention,
 }
 

@@ -72,6 +72,7 @@ DROPOUT_KERNEL = True  # dropout's decisions in CPU training by the compiled ker
 FLEX_COMPILED = True  # flex_attention compiled (False: its dense reference of the same score_mod; tests)
 KEEP_WORKSPACE = True  # the blocked CPU paths keep their buffers between calls (False: fresh ones each call)
 IN_PLACE_GELU = True  # the feed-forward's exact GELU in place where no graph needs its input (False: A/B timing)
+FFN_WORKSPACE = True  # CPU inference writes the feed-forward's product into the kept workspace (False: A/B timing)
 SWITCHES = {  # name: (the environment variable users set, or None: an attribute only), what it turns on
     "TRITON": ("DISENTANGLED_TRITON", "the Triton kernel on CUDA: '0' off, '1' on, 'check' on after a self-check"),
     "CPU_KERNEL": (None, "the compiled CPU kernels in inference (bias kernel and fused attention)"),
@@ -82,6 +83,7 @@ SWITCHES = {  # name: (the environment variable users set, or None: an attribute
     "FLEX_COMPILED": (None, "flex_attention compiled, not its dense reference"),
     "KEEP_WORKSPACE": (None, "the blocked CPU paths keep their buffers between calls"),
     "IN_PLACE_GELU": (None, "the feed-forward's exact GELU in place where no graph needs its input"),
+    "FFN_WORKSPACE": (None, "CPU inference writes the feed-forward's product into the kept workspace"),
 }
 TRITON_VALUES = ("0", "1", "check")
 # The fused CPU kernel's workspace, all threads together, at most this (U of one plane per thread, in float32: 150 MiB

@@ -69,7 +69,7 @@ from .validation import (
     validate_labels,
     validate_span_positions,
 )
-from .workspace import kept_workspace, release_workspace
+from .workspace import _scratch, kept_workspace, release_workspace
 
 try:  # transformers 5: initialisers that leave weights loaded from a checkpoint alone
     from transformers import initialization as init
@@ -404,8 +404,11 @@ class DisentangledIntermediate(nn.Module):
         self.intermediate_act_fn = ACT2FN[config.hidden_act]
         self.exact_gelu = config.hidden_act == "gelu"
 
-    def forward(self, hidden_states: Tensor) -> Tensor:
-        hidden_states = self.dense(hidden_states)
+    def forward(self, hidden_states: Tensor, positions: RelativePositions | None = None) -> Tensor:
+        """`positions`: the forward's, whose workspace the product is written into where `DisentangledLayer` finds
+        that nothing can hold it (`_product_into_workspace`)."""
+        product = _product_into_workspace(self.dense, hidden_states, positions) if positions is not None else None
+        hidden_states = self.dense(hidden_states) if product is None else product
         if self.exact_gelu and not hidden_states.requires_grad and self._nothing_sees_the_product():
             # the same GELU in place: the layer's largest activation is not allocated a second time (from 4,096
             # tokens on, glibc maps such a tensor afresh on every call and its pages fault in as it is written)
@@ -417,6 +420,32 @@ class DisentangledIntermediate(nn.Module):
         switch is on."""
         hooked = self.dense._forward_hooks or nn.modules.module._global_forward_hooks
         return not hooked and not is_tracing() and switch_value("IN_PLACE_GELU")
+
+
+def _product_into_workspace(dense: nn.Module, hidden_states: Tensor, positions: RelativePositions) -> Tensor | None:
+    """`dense(hidden_states)` written into the buffer "intermediate" of the forward's workspace, which every layer
+    and later call reuses: the feed-forward's [tokens, intermediate] product, a tensor that from 2,731 tokens on
+    (32 MiB in float32) glibc maps afresh on every allocation, its pages faulting in as the product writes them.
+    In CPU inference through a plain `nn.Linear` without autocast, while nothing traces and the switch is on; None
+    (the caller's own product) elsewhere. The caller has made sure that no hook can hold the product or what is
+    made in place from it, since the next layer overwrites it."""
+    if (
+        hidden_states.device.type != "cpu"
+        or type(dense) is not nn.Linear
+        or torch.is_grad_enabled()
+        or torch.is_autocast_enabled("cpu")
+        or hidden_states.dtype != dense.weight.dtype
+        or is_tracing()
+        or not switch_value("FFN_WORKSPACE")
+    ):
+        return None
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+    product = _scratch(positions, "intermediate", (flat.shape[0], dense.out_features), flat)
+    if dense.bias is None:
+        torch.mm(flat, dense.weight.t(), out=product)
+    else:
+        torch.addmm(dense.bias, flat, dense.weight.t(), out=product)
+    return product.view(*hidden_states.shape[:-1], dense.out_features)
 
 
 class DisentangledOutput(nn.Module):
@@ -454,7 +483,16 @@ class DisentangledLayer(GradientCheckpointingLayer):
         attention_output, probs = self.attention(
             hidden_states, rel_embeddings, attention_mask, rel_index, output_attentions, cu_seqlens, query_states
         )
-        return self.output(self.intermediate(attention_output), attention_output), probs
+        workspace = rel_index if rel_index is not None and self._feed_forward_unhooked() else None
+        return self.output(self.intermediate(attention_output, workspace), attention_output), probs
+
+    def _feed_forward_unhooked(self) -> bool:
+        """No forward hook, global or on a module of the feed-forward, can see (and keep) its intermediate product."""
+        hooks = nn.modules.module
+        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+            return False
+        modules = (*self.intermediate.modules(), *self.output.modules())
+        return not any(module._forward_hooks or module._forward_pre_hooks for module in modules)
 
 
 class ConvLayer(nn.Module):

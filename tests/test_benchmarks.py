@@ -487,6 +487,7 @@ def test_cpu_inference_variants_run_and_restore_the_module_constants(capsys):
         "CPU_FUSED",
         "FUSED_FLOAT32",
         "IN_PLACE_GELU",
+        "FFN_WORKSPACE",
         "_attend_by_distance",
     )
     before = {name: getattr(cpu_inference.HOMES[name], name) for name in names}

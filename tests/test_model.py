@@ -179,6 +179,50 @@ def test_weight_init_is_deberta_like():
     assert torch.count_nonzero(model.deberta.embeddings.word_embeddings.weight[0]) == 0  # padding row
 
 
+def test_feed_forward_product_goes_into_the_kept_workspace_only_where_nothing_can_hold_it():
+    """In CPU inference every layer writes the feed-forward's [tokens, intermediate] product into one buffer of the
+    encoder's workspace, kept between calls: the same output as a fresh product, bit for bit. Where a hook could
+    keep the product (on the output layer's input here), with gradients, or with the switch off, each layer makes
+    its own."""
+    from disentangled.modeling import dispatch, workspace
+
+    config = DisentangledConfig(**TINY)
+    torch.manual_seed(0)
+    model = disentangled.DisentangledModel(config).eval()
+    batch = padded_batch(config.vocab_size, [9, 6, 9])
+    kept = workspace.kept_workspace(model.encoder)
+    with torch.no_grad(), dispatch.switched(FFN_WORKSPACE=False):
+        expected = model(**batch).last_hidden_state
+    assert "intermediate" not in kept
+    with torch.no_grad():
+        served = model(**batch).last_hidden_state
+        buffer = kept["intermediate"]
+        assert buffer.numel() == 3 * 9 * config.intermediate_size
+        again = model(**batch).last_hidden_state
+    assert kept["intermediate"] is buffer  # reused by the next call, as by every layer
+    torch.testing.assert_close(served, expected, rtol=0, atol=0)
+    torch.testing.assert_close(again, expected, rtol=0, atol=0)
+
+    held = []  # what the output layers were given: each layer's own product, kept past the layer
+    handles = [
+        layer.output.dense.register_forward_pre_hook(lambda module, inputs: held.append(inputs[0]))
+        for layer in model.encoder.layer
+    ]
+    with torch.no_grad():
+        hooked = model(**batch).last_hidden_state
+    for handle in handles:
+        handle.remove()
+    torch.testing.assert_close(hooked, expected, rtol=0, atol=0)
+    assert len(held) == 2 and all(tensor.data_ptr() != buffer.data_ptr() for tensor in held)
+    assert held[0].data_ptr() != held[1].data_ptr()
+
+    workspace.release_workspace(model)
+    kept = workspace.kept_workspace(model.encoder)
+    trained = model(**batch).last_hidden_state  # gradients: a fresh product
+    assert "intermediate" not in kept
+    torch.testing.assert_close(trained, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_device_map_auto_loads(tmp_path):
     pytest.importorskip("accelerate")
     disentangled.DisentangledModel(DisentangledConfig(**TINY)).save_pretrained(tmp_path)
