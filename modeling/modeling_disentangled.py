@@ -118,19 +118,23 @@ def weights_key(*tensors: Tensor | None) -> tuple | None:
 _PLAIN_MODULES = (nn.Linear, nn.Embedding, nn.LayerNorm)
 
 
-def modules_key(*modules: nn.Module | None) -> tuple | None:
-    """`weights_key` of the modules' parameters, where each module's output depends on them alone: a plain
-    `nn.Linear`, `nn.Embedding` or `nn.LayerNorm` (not a subclass) with no forward hook, and no global one. None
-    otherwise, and then nothing is cached: peft's LoRA layers add adapters that they switch on and off by
-    attribute (`disable_adapter`, `set_adapter`), parametrizations and quantized layers compute their weight, and
-    a hook may change the output."""
+def hooked(*modules: nn.Module) -> bool:
+    """Whether a forward hook or pre-hook is on one of `modules`, or a global one is: something that may see (and
+    keep, or change) what they take and return."""
     hooks = nn.modules.module
     if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
-        return None
+        return True
+    return any(module._forward_hooks or module._forward_pre_hooks for module in modules)
+
+
+def modules_key(*modules: nn.Module | None) -> tuple | None:
+    """`weights_key` of the modules' parameters, where each module's output depends on them alone: a plain
+    `nn.Linear`, `nn.Embedding` or `nn.LayerNorm` (not a subclass) and no hook (`hooked`). None otherwise, and then
+    nothing is cached: peft's LoRA layers add adapters that they switch on and off by attribute (`disable_adapter`,
+    `set_adapter`), parametrizations and quantized layers compute their weight, and a hook may change the output."""
     present = [module for module in modules if module is not None]
-    for module in present:
-        if type(module) not in _PLAIN_MODULES or module._forward_hooks or module._forward_pre_hooks:
-            return None
+    if hooked(*present) or any(type(module) not in _PLAIN_MODULES for module in present):
+        return None
     return weights_key(*(tensor for module in present for tensor in module.parameters()))
 
 
@@ -416,10 +420,9 @@ class DisentangledIntermediate(nn.Module):
         return self.intermediate_act_fn(hidden_states)
 
     def _nothing_sees_the_product(self) -> bool:
-        """No forward hook (the dense layer's own or a global one) may hold the product, no graph is traced, and the
-        switch is on."""
-        hooked = self.dense._forward_hooks or nn.modules.module._global_forward_hooks
-        return not hooked and not is_tracing() and switch_value("IN_PLACE_GELU")
+        """No hook (the dense layer's own or a global one) may hold the product, no graph is traced, and the switch
+        is on."""
+        return not hooked(self.dense) and not is_tracing() and switch_value("IN_PLACE_GELU")
 
 
 def _product_into_workspace(dense: nn.Module, hidden_states: Tensor, positions: RelativePositions) -> Tensor | None:
@@ -483,16 +486,10 @@ class DisentangledLayer(GradientCheckpointingLayer):
         attention_output, probs = self.attention(
             hidden_states, rel_embeddings, attention_mask, rel_index, output_attentions, cu_seqlens, query_states
         )
-        workspace = rel_index if rel_index is not None and self._feed_forward_unhooked() else None
-        return self.output(self.intermediate(attention_output, workspace), attention_output), probs
-
-    def _feed_forward_unhooked(self) -> bool:
-        """No forward hook, global or on a module of the feed-forward, can see (and keep) its intermediate product."""
-        hooks = nn.modules.module
-        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
-            return False
-        modules = (*self.intermediate.modules(), *self.output.modules())
-        return not any(module._forward_hooks or module._forward_pre_hooks for module in modules)
+        # the intermediate product into the workspace only where no hook in the feed-forward can keep it
+        unhooked = rel_index is not None and not hooked(*self.intermediate.modules(), *self.output.modules())
+        intermediate = self.intermediate(attention_output, rel_index if unhooked else None)
+        return self.output(intermediate, attention_output), probs
 
 
 class ConvLayer(nn.Module):
