@@ -245,11 +245,14 @@ def bias_cost_timings(cases: list[str], dtype: torch.dtype, repeats: int) -> Non
             relative = [native.as_key_tiles(randn(heads, -(-width // 16) * 16, dim) * 0.3) for _ in range(2)]
             out = query.new_empty(batch, length, heads, dim)
             workspace = torch.empty(native.workspace_bytes(length, relative[0].shape[1] * 16), dtype=torch.uint8)
-            arguments = (out, query, key, value, *relative, *native.kernel_columns(positions), None, slice(0, length))
-            calls["fused"] = partial(native.attend, *arguments, dim**-0.5, workspace)
-            for term, tables in (("c2p", (relative[0], None)), ("p2c", (None, relative[1]))):
-                arguments = (out, query, key, value, *tables, *native.kernel_columns(positions), None, slice(0, length))
-                calls[f"fused-{term}"] = partial(native.attend, *arguments, dim**-0.5, workspace)
+            columns = native.kernel_columns(positions)
+            for name, tables in (
+                ("fused", relative),
+                ("fused-c2p", (relative[0], None)),
+                ("fused-p2c", (None, relative[1])),
+            ):
+                arguments = (out, query, key, value, *tables, *columns, None, slice(0, length))
+                calls[name] = partial(native.attend, *arguments, dim**-0.5, workspace)
         times = {name: [] for name in calls}
         with torch.inference_mode():
             for round_ in range(repeats + 1):  # interleaved; the first round warms up

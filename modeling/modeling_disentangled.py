@@ -414,8 +414,9 @@ class DisentangledIntermediate(nn.Module):
         product = _product_into_workspace(self.dense, hidden_states, positions) if positions is not None else None
         hidden_states = self.dense(hidden_states) if product is None else product
         if self.exact_gelu and not hidden_states.requires_grad and self._nothing_sees_the_product():
-            # the same GELU in place: the layer's largest activation is not allocated a second time (from 4,096
-            # tokens on, glibc maps such a tensor afresh on every call and its pages fault in as it is written)
+            # the same GELU in place: the layer's largest activation is not allocated a second time (above 32 MiB,
+            # 2,731 tokens of v3-base, glibc maps such a tensor afresh on every call and its pages fault in as it is
+            # written)
             return torch.ops.aten.gelu_(hidden_states)
         return self.intermediate_act_fn(hidden_states)
 
@@ -427,11 +428,11 @@ class DisentangledIntermediate(nn.Module):
 
 def _product_into_workspace(dense: nn.Module, hidden_states: Tensor, positions: RelativePositions) -> Tensor | None:
     """`dense(hidden_states)` written into the buffer "intermediate" of the forward's workspace, which every layer
-    and later call reuses: the feed-forward's [tokens, intermediate] product, a tensor that from 2,731 tokens on
-    (32 MiB in float32) glibc maps afresh on every allocation, its pages faulting in as the product writes them.
-    In CPU inference through a plain `nn.Linear` without autocast, while nothing traces and the switch is on; None
-    (the caller's own product) elsewhere. The caller has made sure that no hook can hold the product or what is
-    made in place from it, since the next layer overwrites it."""
+    and later call reuses: the feed-forward's [tokens, intermediate] product, a tensor that above 32 MiB (2,731
+    tokens of v3-base in float32) glibc maps afresh on every allocation, its pages faulting in as the product
+    writes them. In CPU inference through a plain `nn.Linear` without autocast, while nothing traces and the
+    switch is on; None (the caller's own product) elsewhere. The caller has made sure that no hook can hold the
+    product or what is made in place from it, since the next layer overwrites it."""
     if (
         hidden_states.device.type != "cpu"
         or type(dense) is not nn.Linear
@@ -486,9 +487,11 @@ class DisentangledLayer(GradientCheckpointingLayer):
         attention_output, probs = self.attention(
             hidden_states, rel_embeddings, attention_mask, rel_index, output_attentions, cu_seqlens, query_states
         )
-        # the intermediate product into the workspace only where no hook in the feed-forward can keep it
-        unhooked = rel_index is not None and not hooked(*self.intermediate.modules(), *self.output.modules())
-        intermediate = self.intermediate(attention_output, rel_index if unhooked else None)
+        # the intermediate product into the workspace only without gradients, and where no hook in the feed-forward
+        # can keep it
+        into_workspace = rel_index is not None and not torch.is_grad_enabled()
+        into_workspace = into_workspace and not hooked(*self.intermediate.modules(), *self.output.modules())
+        intermediate = self.intermediate(attention_output, rel_index if into_workspace else None)
         return self.output(intermediate, attention_output), probs
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -132,3 +133,14 @@ def check_parity(reference, ours, head: str, batch: dict, rename_gradients=None)
     problems = gradient_mismatches(ours, reference_grads, rtol=1e-4)
     assert not problems, problems
     return diffs
+
+
+def uncached_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` holding no inference cache of position tables (the encoder's normalised rows, each
+    layer's projections), so that its first call computes them from its modules as they are now."""
+    fresh = copy.deepcopy(model)
+    for module in fresh.modules():
+        for cache in ("_rel_cache", "_position_cache"):
+            if hasattr(module, cache):
+                setattr(module, cache, None)
+    return fresh

@@ -3,7 +3,6 @@ embeddings) through the package and as remote code, and peft LoRA on the attenti
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -14,6 +13,7 @@ import peft
 import pytest
 import torch
 from library_checks import check_cross_encoder, check_sentence_transformer
+from parity import uncached_copy
 from tiny_models import export_remote_code, save_tiny, tiny_config, tokenizer
 
 from disentangled import DisentangledForSequenceClassification, DisentangledModel
@@ -92,14 +92,9 @@ def test_lora_on_the_attention_projections_trains_and_merges(tmp_path):
 
 
 def _uncached(model, inputs) -> torch.Tensor:
-    """The model's output with no cached position tables: a copy of it, its caches emptied."""
-    fresh = copy.deepcopy(model)
-    for module in fresh.modules():
-        for cache in ("_rel_cache", "_position_cache"):
-            if hasattr(module, cache):
-                setattr(module, cache, None)
+    """The model's output with no cached position tables."""
     with torch.no_grad():
-        return fresh(input_ids=inputs).last_hidden_state
+        return uncached_copy(model)(input_ids=inputs).last_hidden_state
 
 
 def test_evaluations_see_the_lora_adapters_as_they_are():
