@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -119,6 +120,11 @@ class _HankelArgs(ctypes.Structure):
         ("width", ctypes.c_int64),
         ("tiled", ctypes.c_int64),
         ("add_u", ctypes.c_int64),
+        ("band_lines", ctypes.c_int64),
+        ("t_tile", ctypes.c_int64),
+        ("u_tile", ctypes.c_int64),
+        ("t_first", ctypes.c_void_p),
+        ("u_first", ctypes.c_void_p),
     ]
 
 
@@ -431,7 +437,20 @@ def _bias_args(out, c2p, p2c, column, c2p_column, keep, first_row, first_key, he
     )
 
 
-def hankel_bias(out: Tensor, c2p: Tensor | None, p2c: Tensor | None, column: Tensor, tiled: bool) -> Tensor:
+@dataclass(frozen=True)
+class Band:
+    """Banded training tables (`hankel_bias`): lines in tiles of `lines` (a multiple of 16); column 0 of tile k's
+    lines stands for table column `c2p_first[k]` of c2p (`p2c_first[k]` of p2c), int32. A banded table is
+    [tiles, H, g, lines, width]: tile k holds lines k * lines .. of every sequence and head."""
+
+    lines: int
+    c2p_first: Tensor | None
+    p2c_first: Tensor | None
+
+
+def hankel_bias(
+    out: Tensor, c2p: Tensor | None, p2c: Tensor | None, column: Tensor, tiled: bool, band: Band | None = None
+) -> Tensor:
     """CPU training's block bias with the keys in reverse order (`position_bias.c`, hankel_bias):
     out [g, H, n, L] (contiguous, float32 or bfloat16) = c2p[..., a, column[a + b]] + p2c[..., b, column[a + b]].
 
@@ -439,19 +458,26 @@ def hankel_bias(out: Tensor, c2p: Tensor | None, p2c: Tensor | None, column: Ten
     output's dtype with a contiguous last dimension; either may be None. column: int32, the table column of row a
     and key b at a + b (from the block's first row on; at least n + L - 1 of them). `tiled`: 16 consecutive entries
     of `column` ascend within 16 consecutive columns (`RelativePositions.kernel_columns` is not None), so that whole
-    16 x 16 tiles run with vectors; else element by element."""
-    return _hankel("hankel_bias", out, c2p, p2c, column, tiled, add_p2c=False)
+    16 x 16 tiles run with vectors; else element by element. With `band`, both tables are banded (`Band`): each
+    line holds only the columns that its tile reads, which the kernel checks (`column` ascends)."""
+    return _hankel("hankel_bias", out, c2p, p2c, column, tiled, False, band)
 
 
 def hankel_bias_backward(
-    grad_scores: Tensor, grad_c2p: Tensor | None, grad_p2c: Tensor | None, column: Tensor, tiled: bool, add_p2c: bool
+    grad_scores: Tensor,
+    grad_c2p: Tensor | None,
+    grad_p2c: Tensor | None,
+    column: Tensor,
+    tiled: bool,
+    add_p2c: bool,
+    band: Band | None = None,
 ) -> None:
     """The gradient of `hankel_bias`: dS [g, H, n, L] (contiguous) summed into grad_c2p [g, H, n, W] (written) and
-    grad_p2c [g, H, L, W] (added to where `add_p2c`, else written), along the same columns."""
-    _hankel("hankel_bias_backward", grad_scores, grad_c2p, grad_p2c, column, tiled, add_p2c)
+    grad_p2c [g, H, L, W] (added to where `add_p2c`, else written), along the same columns; banded as `band` says."""
+    _hankel("hankel_bias_backward", grad_scores, grad_c2p, grad_p2c, column, tiled, add_p2c, band)
 
 
-def _hankel(name, scores: Tensor, c2p: Tensor | None, p2c: Tensor | None, column: Tensor, tiled: bool, add_p2c: bool):
+def _hankel(name, scores: Tensor, c2p, p2c, column: Tensor, tiled: bool, add_p2c: bool, band: Band | None):
     groups, heads, rows, keys = scores.shape
     tables = [table for table in (c2p, p2c) if table is not None]
     if not scores.is_contiguous() or scores.dtype not in (torch.float32, torch.bfloat16):
@@ -460,10 +486,35 @@ def _hankel(name, scores: Tensor, c2p: Tensor | None, p2c: Tensor | None, column
         raise ValueError(f"{name}: the tables must have the scores' dtype and a contiguous last dimension")
     if column.dtype != torch.int32 or not column.is_contiguous() or column.numel() < rows + keys - 1:
         raise ValueError(f"{name}: column must be int32, contiguous, with at least rows + keys - 1 entries")
+    fields = {}
+    if band is None:
+        fields.update(_table_fields("t", c2p, STRIDES), **_table_fields("u", p2c, STRIDES))
+    else:
+        if band.lines <= 0 or band.lines % 16 or len({table.shape[-1] for table in tables}) > 1:
+            raise ValueError(f"{name}: a band's lines are a multiple of 16, and both tables are as wide")
+        for letter, table, first, lines in (("t", c2p, band.c2p_first, rows), ("u", p2c, band.p2c_first, keys)):
+            if table is None:
+                fields.update({letter: None, f"{letter}_sequence": 0, f"{letter}_head": 0, f"{letter}_row": 0})
+                continue
+            tiles = -(-lines // band.lines)
+            if table.dim() != 5 or table.shape[0] < tiles or table.shape[1:4] != (heads, groups, band.lines):
+                raise ValueError(
+                    f"{name}: a banded table is [tiles, H, g, {band.lines}, W] with {tiles} tiles at least"
+                )
+            if first is None or first.dtype != torch.int32 or not first.is_contiguous() or first.numel() < tiles:
+                raise ValueError(f"{name}: a banded table needs int32 first columns, one per tile ({tiles})")
+            fields.update(
+                {letter: table.data_ptr(), f"{letter}_sequence": table.stride(2), f"{letter}_head": table.stride(1)},
+                **{
+                    f"{letter}_row": table.stride(3),
+                    f"{letter}_tile": table.stride(0),
+                    f"{letter}_first": first.data_ptr(),
+                },
+            )
+        fields["band_lines"] = band.lines
     args = _HankelArgs(
         scores=scores.data_ptr(),
-        **_table_fields("t", c2p, STRIDES),
-        **_table_fields("u", p2c, STRIDES),
+        **fields,
         column=column.data_ptr(),
         heads=heads,
         rows=rows,
@@ -477,6 +528,8 @@ def _hankel(name, scores: Tensor, c2p: Tensor | None, p2c: Tensor | None, column
     )
     if failed == 2:
         raise MemoryError(f"{name}: no memory for a band of 16 table rows")
+    if failed == 3:
+        raise ValueError(f"{name}: a banded table's tile reads columns outside its band (see native.Band)")
     if failed:
         raise ValueError(f"{name}: neither table given")
     return scores

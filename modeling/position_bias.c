@@ -273,7 +273,13 @@ int position_bias(const BiasArgs *args, int64_t element_size, int64_t planes, in
    dS's tiles the same way for dU and adds each row's 16 values into its 16 columns of the band, summing those that
    share a column first.
    Loads and stores stop at the last column read, which may be a table row's last (`to_last`). Otherwise, and at
-   the edges, one element at a time; there any column vector works. */
+   the edges, one element at a time; there any column vector works.
+
+   Banded tables (`band_lines` > 0): a tile of 16 rows reads only the columns of its 16 + L - 1 distances (143 of
+   T's 255 at 128 tokens), so T and U may hold just a band of each line's columns. Lines then come in tiles of
+   `band_lines` (a multiple of 16, so that no tile of 16 lines straddles two), each tile `t_tile` (`u_tile`) elements
+   after the last, and column 0 of tile k's lines stands for table column t_first[k] (u_first[k]): the element of
+   line l at table column c is at line_start(l) + c - first[tile of l]. */
 
 typedef struct {
     void *scores;                       /* out, or dS: [sequences, heads, rows, keys], contiguous */
@@ -285,7 +291,30 @@ typedef struct {
     int64_t heads, rows, keys, width;
     int64_t tiled;                      /* whole tiles with vectors (see above) */
     int64_t add_u;                      /* hankel_bias_backward: add to dU (else write it, zero where unread) */
+    int64_t band_lines;                 /* 0: whole rows of `width` columns; else banded (see above), `width` each */
+    int64_t t_tile, u_tile;             /* element strides between tiles of lines (banded) */
+    const int32_t *t_first, *u_first;   /* per tile of lines, the table column of its column 0 (banded) */
 } HankelArgs;
+
+/* Where line `line` of a table starts (its first element), with `row` and `tile` strides (see above). */
+static inline int64_t line_start(int64_t line, int64_t row, int64_t tile, int64_t band_lines) {
+    if (!band_lines) return line * row;
+    return line / band_lines * tile + line % band_lines * row;
+}
+
+/* The table column that element 0 of line `line` stands for: 0, or its tile's first column when banded. */
+static inline int64_t line_first(const int32_t *first, int64_t line, int64_t band_lines) {
+    return band_lines ? first[line / band_lines] : 0;
+}
+
+/* line_start less line_first: the element of the line at table column c is at this + c. */
+static inline int64_t t_line(const HankelArgs *x, int64_t a) {
+    return line_start(a, x->t_row, x->t_tile, x->band_lines) - line_first(x->t_first, a, x->band_lines);
+}
+
+static inline int64_t u_line(const HankelArgs *x, int64_t b) {
+    return line_start(b, x->u_row, x->u_tile, x->band_lines) - line_first(x->u_first, b, x->band_lines);
+}
 
 static inline void put(void *table, int64_t index, float value, const int bf16) {
     if (bf16)
@@ -327,12 +356,12 @@ static inline __attribute__((always_inline)) void hankel_plane(const HankelArgs 
             const int32_t *column = x->column + a0 + b0;
             f32x16 m[16];
             if (with_u) { /* key b0 + r over rows a0 .. a0 + 15 */
-                for (int r = 0; r < 16; r++) m[r] = columns16(u, (b0 + r) * x->u_row, column + r, bf16, 1);
+                for (int r = 0; r < 16; r++) m[r] = columns16(u, u_line(x, b0 + r), column + r, bf16, 1);
                 v_transpose16(m);
             }
             for (int r = 0; r < 16; r++) { /* row a0 + r over keys b0 .. b0 + 15 */
                 if (with_t) {
-                    const f32x16 c2p = columns16(t, (a0 + r) * x->t_row, column + r, bf16, 1);
+                    const f32x16 c2p = columns16(t, t_line(x, a0 + r), column + r, bf16, 1);
                     m[r] = with_u ? v_add(c2p, m[r]) : c2p;
                 }
                 store16(out, (a0 + r) * x->keys + b0, m[r], 0, bf16);
@@ -344,18 +373,39 @@ static inline __attribute__((always_inline)) void hankel_plane(const HankelArgs 
         const int32_t *column = x->column + a;
         for (int64_t b = a < tiled_rows ? tiled_keys : 0; b < x->keys; b++) {
             float sum = 0.0f;
-            if (with_t) sum = element(t, a * x->t_row + column[b], bf16);
-            if (with_u) sum += element(u, b * x->u_row + column[b], bf16);
+            if (with_t) sum = element(t, t_line(x, a) + column[b], bf16);
+            if (with_u) sum += element(u, u_line(x, b) + column[b], bf16);
             put(out, a * x->keys + b, sum, bf16);
         }
     }
 }
 
+/* Whether every tile of `lines` lines of a banded table reads within its band: line l reads column[l + s] for
+   s = 0 .. along - 1, and the column ascends, so a tile's lowest column is its first line's at s = 0 and its
+   highest its last line's at along - 1. */
+static int band_holds(const HankelArgs *x, const int32_t *first, int64_t lines, int64_t along) {
+    for (int64_t k = 0; k * x->band_lines < lines; k++) {
+        const int64_t line = k * x->band_lines, last = line + x->band_lines < lines ? line + x->band_lines : lines;
+        if (x->column[line] < first[k] || x->column[last - 1 + along - 1] >= first[k] + x->width) return 0;
+    }
+    return 1;
+}
+
+/* 0 if the tables' layout is one the kernels take: unbanded, or banded with every read inside the bands. */
+static int hankel_refused(const HankelArgs *x) {
+    if (!x->band_lines) return 0;
+    if (x->band_lines % 16) return 1;
+    if (x->t && !band_holds(x, x->t_first, x->rows, x->keys)) return 1;
+    if (x->u && !band_holds(x, x->u_first, x->keys, x->rows)) return 1;
+    return 0;
+}
+
 /* out = T + U along the Hankel columns, every plane on `threads` OpenMP threads; element_size 2 (bfloat16) or 4
-   (float32). Returns 1 for any other size or with neither table. */
+   (float32). Returns 1 for any other size or with neither table, 3 for bands that do not hold what is read. */
 int hankel_bias(const HankelArgs *x, int64_t element_size, int64_t planes, int threads) {
     const int t = x->t != NULL, u = x->u != NULL;
     if ((element_size != 2 && element_size != 4) || !(t || u)) return 1;
+    if (hankel_refused(x)) return 3;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t plane = 0; plane < planes; plane++) {
         if (element_size == 2 && t && u) hankel_plane(x, plane, 1, 1, 1);
@@ -368,22 +418,24 @@ int hankel_bias(const HankelArgs *x, int64_t element_size, int64_t planes, int t
     return 0;
 }
 
-/* A band's 16 float32 rows into the table's rows first .. first + count - 1: written, or added to, rounded once. */
-static void flush_band(const float *band, int64_t width, char *table, int64_t row_stride, int64_t first, int64_t count,
-                       const int add, const int bf16) {
+/* A band's 16 float32 rows into the table's lines first .. first + count - 1 (each line_start(line, row, tile,
+   band_lines) elements in): written, or added to, rounded once. */
+static void flush_band(const float *band, int64_t width, char *table, int64_t row, int64_t tile, int64_t band_lines,
+                       int64_t first, int64_t count, const int add, const int bf16) {
     for (int64_t r = 0; r < count; r++) {
-        char *row = table + (first + r) * row_stride * (bf16 ? 2 : 4);
+        char *line = table + line_start(first + r, row, tile, band_lines) * (bf16 ? 2 : 4);
         for (int64_t c = 0; c < width; c++)
-            put(row, c, band[r * width + c] + (add ? element(row, c, bf16) : 0.0f), bf16);
+            put(line, c, band[r * width + c] + (add ? element(line, c, bf16) : 0.0f), bf16);
     }
 }
 
-/* dS summed into `count` lines of a table (lines first .. of dT, or, `keys`, of dU) in the float32 `band` ([16, W]):
-   line l of the band reads dS along the other axis, s = 0 .. along - 1, at column[first + l + s]; whole tiles up to
-   `tiled` along it (dU's transposed in registers), then element by element. */
+/* dS summed into `count` lines of a table (lines first .. of dT, or, `keys`, of dU) in the float32 `band` ([16, W],
+   column c of a line at c - shift: its tile's first column when banded): line l of the band reads dS along the other
+   axis, s = 0 .. along - 1, at column[first + l + s]; whole tiles up to `tiled` along it (dU's transposed in
+   registers), then element by element. */
 static inline __attribute__((always_inline)) void sum_lines(const HankelArgs *x, const char *grad, float *band,
                                                            int64_t first, int64_t count, int64_t along, int64_t tiled,
-                                                           const int keys, const int bf16) {
+                                                           int64_t shift, const int keys, const int bf16) {
     const int64_t W = x->width, line_stride = keys ? 1 : x->keys, along_stride = keys ? x->keys : 1;
     memset(band, 0, 16 * W * sizeof(float));
 #ifdef HAVE_VECTORS
@@ -392,17 +444,18 @@ static inline __attribute__((always_inline)) void sum_lines(const HankelArgs *x,
         for (int r = 0; r < 16; r++) /* dS's row r of the tile: line r (dT) or position s0 + r along (dU) */
             m[r] = keys ? load16(grad, (s0 + r) * x->keys + first, bf16) : load16(grad, (first + r) * x->keys + s0, bf16);
         if (keys) v_transpose16(m);
-        for (int r = 0; r < 16; r++) add16(band, r * W, x->column + first + s0 + r, m[r]);
+        for (int r = 0; r < 16; r++) add16(band, r * W - shift, x->column + first + s0 + r, m[r]);
     }
 #else
     tiled = 0;
 #endif
     for (int64_t l = 0; l < count; l++)
         for (int64_t s = tiled; s < along; s++)
-            band[l * W + x->column[first + l + s]] += element(grad, (first + l) * line_stride + s * along_stride, bf16);
+            band[l * W + x->column[first + l + s] - shift] +=
+                element(grad, (first + l) * line_stride + s * along_stride, bf16);
 }
 
-/* One plane's gradients, a band of 16 table rows at a time, summed in float32 and rounded once: dT's rows (a sweep
+/* One plane's gradients, a band of 16 table lines at a time, summed in float32 and rounded once: dT's rows (a sweep
    over the keys), then dU's rows (a sweep over the rows). */
 static inline __attribute__((always_inline)) void hankel_plane_backward(const HankelArgs *x, int64_t plane,
                                                                        float *band, const int bf16) {
@@ -410,24 +463,28 @@ static inline __attribute__((always_inline)) void hankel_plane_backward(const Ha
     char *t = x->t ? (char *)x->t + (sequence * x->t_sequence + head * x->t_head) * size : NULL;
     char *u = x->u ? (char *)x->u + (sequence * x->u_sequence + head * x->u_head) * size : NULL;
     const char *grad = (const char *)x->scores + plane * x->rows * x->keys * size;
-    const int64_t rows = x->rows, keys = x->keys;
+    const int64_t rows = x->rows, keys = x->keys, lines = x->band_lines;
     const int64_t tiled_rows = x->tiled ? rows / 16 * 16 : 0, tiled_keys = x->tiled ? keys / 16 * 16 : 0;
     for (int64_t a0 = 0; t && a0 < rows; a0 += 16) { /* dT[a, column[a + b]] += dS[a, b] */
         const int64_t count = rows - a0 < 16 ? rows - a0 : 16;
-        sum_lines(x, grad, band, a0, count, keys, a0 < tiled_rows ? tiled_keys : 0, 0, bf16);
-        flush_band(band, x->width, t, x->t_row, a0, count, 0, bf16);
+        sum_lines(x, grad, band, a0, count, keys, a0 < tiled_rows ? tiled_keys : 0, line_first(x->t_first, a0, lines),
+                  0, bf16);
+        flush_band(band, x->width, t, x->t_row, x->t_tile, lines, a0, count, 0, bf16);
     }
     for (int64_t b0 = 0; u && b0 < keys; b0 += 16) { /* dU[b, column[a + b]] += dS[a, b] */
         const int64_t count = keys - b0 < 16 ? keys - b0 : 16;
-        sum_lines(x, grad, band, b0, count, rows, b0 < tiled_keys ? tiled_rows : 0, 1, bf16);
-        flush_band(band, x->width, u, x->u_row, b0, count, (int)x->add_u, bf16);
+        sum_lines(x, grad, band, b0, count, rows, b0 < tiled_keys ? tiled_rows : 0, line_first(x->u_first, b0, lines),
+                  1, bf16);
+        flush_band(band, x->width, u, x->u_row, x->u_tile, lines, b0, count, (int)x->add_u, bf16);
     }
 }
 
 /* dT (written) and dU (added, or written with add_u 0) from dS, every plane on `threads` OpenMP threads. Returns 1
-   for an element size other than 2 or 4, or with neither table; 2 where a thread's band could not be allocated. */
+   for an element size other than 2 or 4, or with neither table; 2 where a thread's band could not be allocated; 3 as
+   hankel_bias does. */
 int hankel_bias_backward(const HankelArgs *x, int64_t element_size, int64_t planes, int threads) {
     if ((element_size != 2 && element_size != 4) || !(x->t || x->u)) return 1;
+    if (hankel_refused(x)) return 3;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {

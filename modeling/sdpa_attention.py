@@ -36,16 +36,26 @@ from .disentangled_attention import (
 )
 from .dispatch import call_facts, decide, log_fallback, switch_value
 from .kernel_check import check
-from .native import available, hankel_bias, hankel_bias_backward, keep_mask, kernel_columns
+from .native import Band, available, hankel_bias, hankel_bias_backward, keep_mask, kernel_columns
 from .triton_attention import KernelLaunchError, launch_failed, triton_disentangled
 from .validation import is_tracing
-from .workspace import _scratch, int32_column
+from .workspace import _scratch, int32_column, per_forward
 
 # Bias elements per query block on the CPU (8 MiB in float32): bounded; the fastest of 2^18 ... 2^22 at 8x128 to 1x4096
 SDPA_BLOCK_ELEMENTS = 1 << 21
 # On an accelerator the block is bounded too, but large enough that a batch takes a few kernel launches, not
 # hundreds (256 MiB in float32).
 SDPA_BLOCK_ELEMENTS_ACCELERATOR = 1 << 26
+# CPU training's kernel makes banded tables (`native.Band`) where they save enough: a tile of BAND_LINES lines of T
+# (rows) or U (keys) reads only the columns of BAND_LINES + L - 2 consecutive distances (160 of 255 columns at 128
+# tokens with v3's buckets), so each tile's product is made against those rows of Kr or Qr alone. Banded where the
+# band is at most BAND_MOST of the table's width and a group holds BAND_SEQUENCES sequences or more, so that each
+# tile's product has 128 lines at least: one layer's attention forward and backward at 4x128 (12 heads) timed 28 ms
+# banded against 34 ms whole on a 2-core EPYC (tiles of 16 lines: 31 ms, of 64: 28 ms), but slower banded at 1x256
+# (22 against 18 ms, one sequence per group) and at 2x512 (159 against 150 ms, 400 of 511 columns).
+BAND_LINES = 32
+BAND_MOST = 0.7
+BAND_SEQUENCES = 4
 # While a model is exported to ONNX: the package's graph for ONNX Runtime (`disentangled.serving.onnx_attention`,
 # set when the package is imported; the Hub bundle alone writes the portable graph below)
 _onnx_attention = None
@@ -266,8 +276,9 @@ class BlockedAttention(torch.autograd.Function):
     forward gathered with, and from there into q and Kr (for each block) and k and Qr (for each group), so no
     other [B, H, L, L] tensor and no whole [B, H, L, W] table is made. Where the compiled kernel runs, it gathers
     each block's bias and sums dS into the tables' gradients in one pass each (`native.hankel_bias`,
-    `hankel_bias_backward`; `dispatch.TRAINING_KERNEL`). The workspace is kept between calls (on the forward's thread), so
-    a step does not fault in fresh pages for tables that the last step also wrote.
+    `hankel_bias_backward`; `dispatch.TRAINING_KERNEL`), from banded tables where they save enough (`BAND_MOST`: each
+    tile of BAND_LINES lines one product against the rows of Kr or Qr it reads). The workspace is kept between calls
+    (on the forward's thread), so a step does not fault in fresh pages for tables that the last step also wrote.
     """
 
     @staticmethod
@@ -281,19 +292,32 @@ class BlockedAttention(torch.autograd.Function):
         # in the query's dtype: under autocast the relative rows may be float32
         kr, qr = (rows.to(query.dtype) if rows is not None else None for rows in (pos_key, pos_query))
         column, tiled = _kernel_column(positions, kernel)
-        group, p2c_keys = None, None
+        bands = _band_width(positions) if column is not None else None
+        if bands is not None:  # [H, W, D] laid out so, so that a band of its rows is a batch of matrices for bmm
+            kr, qr = (rows.contiguous() if rows is not None else None for rows in (kr, qr))
+        group, p2c_keys, p2c_first, c2p_first = None, None, None, None
         with torch.autocast(query.device.type, enabled=False):  # the inputs already carry autocast's dtype
             scaled_query = query * scaling  # scaled before q . k, as in eager: q . k itself can overflow float16
             for sequences, first, last in tiles:
                 rows = slice(first, last)
+                band = _group_band(bands, sequences)
                 if qr is not None and sequences != group:  # p2c of this group's reversed keys: k_j' . Qr[r]
-                    p2c_keys = _position_rows(positions, "p2c", key[sequences], qr)
+                    if band is None:
+                        p2c_keys, p2c_first = _position_rows(positions, "p2c", key[sequences], qr), None
+                    else:
+                        p2c_keys, p2c_first = _banded_rows(positions, "p2c", key[sequences], qr, 0, band)
                     group = sequences
-                c2p_rows = _position_rows(positions, "c2p", query[sequences, :, rows], kr) if kr is not None else None
+                block_query = query[sequences, :, rows]
+                c2p_rows = c2p_first = None
+                if kr is not None and band is None:
+                    c2p_rows = _position_rows(positions, "c2p", block_query, kr)
+                elif kr is not None:
+                    c2p_rows, c2p_first = _banded_rows(positions, "c2p", block_query, kr, first, band)
                 group_heads = (sequences.stop - sequences.start, heads)
                 if column is not None:  # c2p + p2c by the kernel
                     scores = query.new_empty(*group_heads, last - first, length)
-                    hankel_bias(scores, c2p_rows, p2c_keys, column[first:], tiled)
+                    banded = Band(BAND_LINES, _firsts(c2p_first), _firsts(p2c_first)) if band is not None else None
+                    hankel_bias(scores, c2p_rows, p2c_keys, column[first:], tiled, banded)
                 else:  # p2c read by table row
                     p2c_rows = p2c_keys.mT if p2c_keys is not None else None
                     scores = _block_bias(positions, c2p_rows, p2c_rows, None, first, last, group_heads)
@@ -334,16 +358,22 @@ class BlockedAttention(torch.autograd.Function):
         grad_kr, grad_qr = (rows.new_zeros(rows.shape) if rows is not None else None for rows in (kr, qr))
         delta = (grad_context * context).sum(-1).transpose(1, 2)  # [B, H, L]: rowsum(dO * O) = rowsum(P * dP)
         column, tiled = _kernel_column(positions, ctx.kernel)
-        group = grad_p2c = None
+        bands = _band_width(positions) if column is not None else None
+        group = grad_p2c = p2c_first = None
         first_of_group = True  # the kernel writes a group's p2c gradient at its first block, and adds to it after
         for (sequences, first, last), block_probs, block_keep in zip(tiles, probs, keeps):
             rows = slice(first, last)
+            band = _group_band(bands, sequences)
             if qr is not None and sequences != group:  # the p2c table's gradient, one group of sequences at a time
                 if group is not None:
-                    _position_rows_backward(grad_p2c, key[group], qr, grad_key[group], grad_qr)
-                grad_p2c = _position_rows(
-                    positions, "p2c", key[sequences], qr, fill="zeros" if column is None else None
-                )
+                    _table_backward(positions, "p2c", grad_p2c, p2c_first, key[group], qr, grad_key[group], grad_qr)
+                if band is None:
+                    grad_p2c = _position_rows(
+                        positions, "p2c", key[sequences], qr, fill="zeros" if column is None else None
+                    )
+                    p2c_first = None
+                else:
+                    grad_p2c, p2c_first = _banded_rows(positions, "p2c", key[sequences], qr, 0, band, product=False)
                 group, first_of_group = sequences, True
             grad_out = grad_context[sequences, rows].transpose(1, 2)  # dO [g, H, n, D]
             dropped = block_probs  # what multiplied v, but for 1 / (1 - p)
@@ -359,9 +389,14 @@ class BlockedAttention(torch.autograd.Function):
             grad_query[sequences, :, rows] = (grad_scores @ key[sequences]) * scaling
             grad_key[sequences].add_(grad_scores.mT @ block_query, alpha=scaling)
             # c2p[i, column[i + j']] and p2c[j', column[i + j']] received dS[i, j']
-            grad_c2p = _position_rows(positions, "c2p", block_query, kr, fill=None) if kr is not None else None
+            grad_c2p = c2p_first = None
+            if kr is not None and band is None:
+                grad_c2p = _position_rows(positions, "c2p", block_query, kr, fill=None)
+            elif kr is not None:
+                grad_c2p, c2p_first = _banded_rows(positions, "c2p", block_query, kr, first, band, product=False)
             if column is not None:  # by the kernel: dS summed into grad_c2p (written) and grad_p2c (added to)
-                hankel_bias_backward(grad_scores, grad_c2p, grad_p2c, column[first:], tiled, not first_of_group)
+                banded = Band(BAND_LINES, _firsts(c2p_first), _firsts(p2c_first)) if band is not None else None
+                hankel_bias_backward(grad_scores, grad_c2p, grad_p2c, column[first:], tiled, not first_of_group, banded)
                 first_of_group = False
             else:
                 index = _hankel(positions, first, last - first, positions.length).expand_as(grad_scores)
@@ -370,9 +405,11 @@ class BlockedAttention(torch.autograd.Function):
                 if grad_p2c is not None:
                     grad_p2c.mT.scatter_add_(-2, index, grad_scores)
             if grad_c2p is not None:  # c2p passes its gradient on to q_i and Kr
-                _position_rows_backward(grad_c2p, block_query, kr, grad_query[sequences, :, rows], grad_kr)
+                _table_backward(
+                    positions, "c2p", grad_c2p, c2p_first, block_query, kr, grad_query[sequences, :, rows], grad_kr
+                )
         if group is not None:
-            _position_rows_backward(grad_p2c, key[group], qr, grad_key[group], grad_qr)
+            _table_backward(positions, "p2c", grad_p2c, p2c_first, key[group], qr, grad_key[group], grad_qr)
         grad_pos_key, grad_pos_query = (
             grad.to(dtype) if grad is not None else None for grad, dtype in zip((grad_kr, grad_qr), ctx.relative_dtypes)
         )
@@ -392,6 +429,106 @@ def _position_rows(
     elif fill == "product":
         _by_head(content, relative, out=table)
     return table.view(heads, groups, count, -1).transpose(0, 1)
+
+
+def _band_width(positions: RelativePositions) -> int | None:
+    """The width of CPU training's banded tables for this forward (`BAND_LINES`), a multiple of 16: the most columns
+    that BAND_LINES consecutive lines read, from any line on; None where that is more than BAND_MOST of the width."""
+
+    def make(positions: RelativePositions) -> int | None:
+        length, width, column = positions.length, positions.width, positions.column
+        starts = torch.arange(length, device=column.device)
+        ends = (starts + BAND_LINES + length - 2).clamp(max=2 * length - 2)  # line + BAND_LINES - 1, key L - 1
+        band = -(-(int((column[ends] - column[starts]).max()) + 1) // 16) * 16
+        return band if band <= BAND_MOST * width else None
+
+    return per_forward(positions, "band width", make)
+
+
+def _group_band(bands: int | None, sequences: slice) -> int | None:
+    """The band width for a group of sequences (`_band_width`), or None: banded where a tile's product has at least
+    BAND_SEQUENCES x BAND_LINES lines (fewer timed slower than whole tables at 1x256 and 2x512)."""
+    return bands if bands is not None and sequences.stop - sequences.start >= BAND_SEQUENCES else None
+
+
+def _band_first(positions: RelativePositions, first: int, count: int, band: int) -> tuple[list[int], Tensor]:
+    """The table column of column 0 of each tile of `count` lines from line `first` on (Python ints, and int32 for the
+    kernel): the tile's first line's column (key 0), or as far as the band still fits in the table."""
+
+    def make(positions: RelativePositions) -> tuple[list[int], Tensor]:
+        starts = torch.arange(first, first + count, BAND_LINES).clamp(max=2 * positions.length - 2)
+        firsts = positions.column.cpu()[starts].clamp(max=positions.width - band)
+        return firsts.tolist(), firsts.to(torch.int32)
+
+    return per_forward(positions, f"band first {first} {count}", make)
+
+
+def _firsts(first: tuple[list[int], Tensor] | None) -> Tensor | None:
+    return first[1] if first is not None else None
+
+
+def _lines(positions: RelativePositions, kind: str, content: Tensor) -> Tensor:
+    """content [g, H, n, D] in tiles of BAND_LINES lines: [tiles, H, g, BAND_LINES, D] in the workspace's `kind`
+    buffer, zeros after the last line (one product per tile against its band)."""
+    groups, heads, count, dim = content.shape
+    tiles, whole = -(-count // BAND_LINES), count // BAND_LINES
+    packed = _scratch(positions, kind, (tiles, heads, groups, BAND_LINES, dim), content)
+    if whole:
+        packed[:whole].permute(2, 1, 0, 3, 4).copy_(
+            content[:, :, : whole * BAND_LINES].unflatten(2, (whole, BAND_LINES))
+        )
+    if whole < tiles:
+        rest = count - whole * BAND_LINES
+        packed[whole, :, :, :rest].copy_(content[:, :, whole * BAND_LINES :].transpose(0, 1))
+        packed[whole, :, :, rest:].zero_()
+    return packed
+
+
+def _banded_rows(
+    positions: RelativePositions, kind: str, content: Tensor, relative: Tensor, first: int, band: int, product=True
+) -> tuple[Tensor, tuple[list[int], Tensor]]:
+    """The banded table of content [g, H, n, D] (lines first .. first + n - 1) against the relative rows [H, W, D]:
+    [tiles, H, g, BAND_LINES, band] in the workspace's `kind` buffer, tile k against rows firsts[k] .. firsts[k] +
+    band - 1 only (`native.Band`); with `product` False, an unwritten buffer of that shape for its gradient. Returns
+    it with the tiles' first columns (`_band_first`)."""
+    groups, heads, count, dim = content.shape
+    firsts = _band_first(positions, first, count, band)
+    table = _scratch(positions, kind, (-(-count // BAND_LINES), heads, groups, BAND_LINES, band), content)
+    if product:
+        packed = _lines(positions, f"{kind} lines", content)
+        for k, start in enumerate(firsts[0]):
+            flat = table[k].view(heads, groups * BAND_LINES, band)
+            torch.bmm(packed[k].view(heads, groups * BAND_LINES, dim), relative[:, start : start + band].mT, out=flat)
+    return table, firsts
+
+
+def _table_backward(
+    positions: RelativePositions,
+    kind: str,
+    grad_table: Tensor,
+    firsts: tuple[list[int], Tensor] | None,
+    content: Tensor,
+    relative: Tensor,
+    grad_content: Tensor,
+    grad_relative: Tensor,
+) -> None:
+    """The gradient of a `_position_rows` table (`firsts` None) or a `_banded_rows` one into `grad_content` and
+    `grad_relative`: dcontent += dT R and drelative += dTᵀ content, for a banded table tile by tile (the lines after
+    the last, which the kernel leaves unwritten, zeroed first)."""
+    if firsts is None:
+        _position_rows_backward(grad_table, content, relative, grad_content, grad_relative)
+        return
+    tiles, heads, groups, lines, band = grad_table.shape
+    count, dim = content.shape[2], content.shape[3]
+    grad_table[-1, :, :, count - (tiles - 1) * lines :].zero_()
+    packed = _lines(positions, f"{kind} lines", content)
+    for k, start in enumerate(firsts[0]):
+        flat_grad = grad_table[k].view(heads, groups * lines, band)
+        # into a fresh product, then added: baddbmm_ into a band of rows (not one contiguous tensor) runs head by head
+        grad_relative[:, start : start + band] += torch.bmm(flat_grad.mT, packed[k].view(heads, groups * lines, dim))
+        part = torch.bmm(flat_grad, relative[:, start : start + band]).view(heads, groups, lines, dim).transpose(0, 1)
+        used = min(lines, count - k * lines)
+        grad_content[:, :, k * lines : k * lines + used] += part[:, :, :used]
 
 
 def _kernel_column(positions: RelativePositions, kernel: bool) -> tuple[Tensor | None, bool]:

@@ -96,6 +96,21 @@ def test_sdpa_matches_eager_outputs_and_gradients(variant):
     check_parity(reference, with_implementation(reference, "sdpa"), "Model", padded_batch(100, LENGTHS))
 
 
+@pytest.mark.parametrize("variant", ["v3", "c2p-only", "p2c-only"])
+def test_sdpa_training_with_banded_tables_matches_eager(monkeypatch, variant):
+    """At v3's buckets, 128 tokens and a batch of five, CPU training's kernel bands its tables by default
+    (`sdpa_attention.BAND_MOST`, `BAND_SEQUENCES`): the model's outputs and gradients still match eager's."""
+    if not native.available():
+        pytest.skip(f"the kernel does not run here: {native.why_unavailable()}")
+    monkeypatch.setattr(sdpa_attention, "SDPA_BLOCK_ELEMENTS", 1 << 21)  # the default blocks: groups of five
+    bands = []
+    kernel = sdpa_attention.hankel_bias
+    monkeypatch.setattr(sdpa_attention, "hankel_bias", lambda *args: bands.append(args[5]) or kernel(*args))
+    reference = build("eager", **dict(VARIANTS[variant], position_buckets=256, max_relative_positions=512))
+    check_parity(reference, with_implementation(reference, "sdpa"), "Model", padded_batch(100, [128, 97, 128, 64, 110]))
+    assert bands and all(band is not None for band in bands)
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_flex_score_mod_matches_eager(variant):
     reference = build("eager", **VARIANTS[variant])
@@ -504,9 +519,10 @@ def test_kept_workspace_is_per_thread(cpu_inference_path):
     assert workspaces[0][table].data_ptr() != workspaces[1][table].data_ptr()
 
 
-def blocked_attention_inputs(dtype=torch.float64, length=12, batch=2, heads=3, dim=4):
-    """Inputs of `BlockedAttention`: keys already reversed, log buckets from |d| >= 4 on, one padded sequence."""
-    positions = disentangled_attention.RelativePositions.build(length, 8, 8, 16, "cpu")
+def blocked_attention_inputs(dtype=torch.float64, length=12, batch=2, heads=3, dim=4, buckets=8):
+    """Inputs of `BlockedAttention`: keys already reversed, log buckets from |d| >= buckets / 2 on (max_position twice
+    the buckets), one padded sequence."""
+    positions = disentangled_attention.RelativePositions.build(length, buckets, buckets, 2 * buckets, "cpu")
     generator = torch.Generator().manual_seed(0)
 
     def tensor(*shape):
@@ -587,6 +603,47 @@ def test_blocked_attention_matches_the_dense_formula(monkeypatch, kernel, length
         for name, got, want in zip(("query", "key", "value", "Kr", "Qr"), actual_grads, expected_grads):
             assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item()), name
     assert {"hankel_bias", "hankel_bias_backward"} == set(calls) if kernel else not calls
+
+
+@pytest.mark.parametrize("lines", [16, 32])
+@pytest.mark.parametrize("batch, length, block_rows", [(5, 70, 70), (3, 100, 23)])
+def test_blocked_attention_with_banded_tables_matches_the_dense_formula(monkeypatch, lines, batch, length, block_rows):
+    """CPU training's kernel with banded tables (`native.Band`, here wherever it can band): forward and gradients
+    against the dense formula, with ragged last tiles, several groups of sequences (the last one smaller) or several
+    blocks of rows per group, and dropout; the workspace's buffers handed out full of NaN."""
+    calls = training_kernel(monkeypatch, True)
+    bands = []
+    kernel = sdpa_attention.hankel_bias
+    monkeypatch.setattr(sdpa_attention, "hankel_bias", lambda *args: bands.append(args[5]) or kernel(*args))
+    monkeypatch.setattr(sdpa_attention, "BAND_LINES", lines)
+    monkeypatch.setattr(sdpa_attention, "BAND_MOST", 1.0)
+    monkeypatch.setattr(sdpa_attention, "BAND_SEQUENCES", 1)
+    scratch = sdpa_attention._scratch  # every buffer NaN when handed out: nothing may read what it did not write
+    monkeypatch.setattr(sdpa_attention, "_scratch", lambda *args: scratch(*args).fill_(float("nan")))
+    *tensors, keep, positions = blocked_attention_inputs(torch.float32, length=length, batch=batch, buckets=64)
+    group = 2 if block_rows == length else 1  # sequences per group: 2, 2 and 1 of 5; or one each, in 4 blocks
+    block_elements = group * 3 * length * block_rows
+    for dropout in (0.0, 0.2):
+        torch.manual_seed(3)
+        actual = sdpa_attention.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, block_elements, True)
+        dropout_keep = None
+        if dropout:  # the same draws: each block draws its own mask, in the blocks' order
+            torch.manual_seed(3)
+            dropout_keep = torch.empty(batch, 3, length, length, dtype=torch.bool)
+            for sequences, first, last in sdpa_attention._tiles(tensors[0], block_elements):
+                shape = (sequences.stop - sequences.start, 3, last - first, length)
+                dropout_keep[sequences, :, first:last] = sdpa_attention.dropout_keep_mask(shape, dropout, "cpu")
+        expected = reference_attention(*tensors, keep, positions, 0.3, dropout_keep, dropout)
+        weights = torch.randn_like(expected)
+        actual_grads = torch.autograd.grad((actual * weights).sum(), tensors)
+        expected_grads = torch.autograd.grad((expected * weights).sum(), tensors)
+        assert (actual - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
+        for name, got, want in zip(("query", "key", "value", "Kr", "Qr"), actual_grads, expected_grads):
+            assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item()), name
+    band = sdpa_attention._band_width(positions)
+    assert band is not None and band < positions.width and {"hankel_bias", "hankel_bias_backward"} == set(calls)
+    assert bands and all(b is not None and b.lines == lines for b in bands)
+    assert any(int(b.c2p_first.max()) > 0 for b in bands)  # the bands do move along the table
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["pytorch", "kernel"])

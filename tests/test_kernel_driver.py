@@ -26,7 +26,7 @@ import pytest
 import torch
 from test_fused_attention import SCALE, formula
 from test_fused_attention import inputs as attention_inputs
-from test_native import POSITIONS, hankel_reference, reference, splitmix64_keep, tables
+from test_native import POSITIONS, band_firsts, banded, hankel_reference, reference, splitmix64_keep, tables
 
 from disentangled.modeling import native
 from disentangled.modeling.disentangled_attention import RelativePositions
@@ -175,7 +175,8 @@ TRAINING_POSITIONS = {"v3": (300, 256, 256, 512), "small-buckets": (300, 16, 16,
 
 def record_training_calls(recording: Recording) -> None:
     """`native.hankel_bias` and `hankel_bias_backward` as BlockedAttention calls them: offset blocks with ragged rows,
-    dS summed into c2p's gradient (written) and p2c's (written, then added to), in whole tiles and at their edges."""
+    dS summed into c2p's gradient (written) and p2c's (written, then added to), in whole tiles and at their edges;
+    with whole tables and banded ones."""
     for length, span, buckets, max_position in TRAINING_POSITIONS.values():
         positions = RelativePositions.build(length, span if buckets <= 0 else buckets, buckets, max_position, "cpu")
         generator = torch.Generator().manual_seed(0)
@@ -197,6 +198,30 @@ def record_training_calls(recording: Recording) -> None:
                     recording.expect(got, want, gradient_tolerance(want, dtype))
                 native.hankel_bias_backward(grad, None, got_p2c, column, True, add_p2c=True)
                 recording.expect(got_p2c, 2 * want_p2c, gradient_tolerance(2 * want_p2c, dtype))
+                record_banded_calls(recording, positions, c2p, p2c, first, rows, grad, (want_c2p, want_p2c))
+
+
+def record_banded_calls(recording: Recording, positions, c2p, p2c, first, rows, grad, wants) -> None:
+    """The same call with banded tables (`native.Band`, 32 lines to a tile): the same bias, and the gradients
+    banded."""
+    length, lines = positions.length, 32
+    (c2p_band, c2p_firsts), (p2c_band, p2c_firsts) = (
+        band_firsts(positions, start, count, lines) for start, count in ((first, rows), (0, length))
+    )
+    band = max(c2p_band, p2c_band)
+    firsts = [[min(f, positions.width - band) for f in firsts] for firsts in (c2p_firsts, p2c_firsts)]
+    spec = native.Band(lines, *(torch.tensor(f, dtype=torch.int32) for f in firsts))
+    tables = [banded(table, f, lines, band) for table, f in zip((c2p, p2c), firsts)]
+    column = int32_column(positions)[first:]
+    out = torch.full((2, 1, rows, length), float("nan"), dtype=c2p.dtype)
+    recording.track(out, *tables, column, spec.c2p_first, spec.p2c_first)
+    native.hankel_bias(out, *tables, column, True, spec)
+    recording.expect(out, hankel_reference(positions, c2p, p2c, first, rows))
+    grads = [table.clone().fill_(float("nan")) for table in tables]
+    recording.track(grad, *grads)
+    native.hankel_bias_backward(grad, *grads, column, True, False, spec)
+    for got, want, f in zip(grads, wants, firsts):
+        recording.expect(got, banded(want, f, lines, band), gradient_tolerance(want, c2p.dtype))
 
 
 def gradient_tolerance(want: torch.Tensor, dtype: torch.dtype) -> float:

@@ -74,7 +74,9 @@ def kernel_bias(positions, c2p, p2c, keep, rows: slice, keys: slice, dtype):
         *(c2p if c2p is not None else p2c).shape[:2], rows.stop - rows.start, keys.stop - keys.start, dtype=dtype
     )
     p2c_keys = p2c[:, :, keys] if p2c is not None else None
-    return native.position_bias(out, reversed_c2p, p2c_keys, *native.kernel_columns(positions), keep, rows.start, keys.start)
+    return native.position_bias(
+        out, reversed_c2p, p2c_keys, *native.kernel_columns(positions), keep, rows.start, keys.start
+    )
 
 
 @needs_kernel
@@ -205,7 +207,9 @@ def test_buckets_that_step_by_two_columns_take_the_pytorch_path(monkeypatch):
 
 
 # CPU training's kernels (`native.hankel_bias`, `native.hankel_bias_backward`): the keys reversed, a block of rows
-HANKEL_POSITIONS = POSITIONS | {"steps-by-two": (300, 256, 256, 300)}  # 16 distances over more than 16 columns
+# "steps-by-two": 16 distances over more than 16 columns; "v3-128": v3's buckets at 128 tokens, where CPU training
+# bands its tables (`sdpa_attention.BAND_MOST`)
+HANKEL_POSITIONS = POSITIONS | {"steps-by-two": (300, 256, 256, 300), "v3-128": (128, 256, 256, 512)}
 
 
 def hankel_tables(setting, dtype, rows, seed=0):
@@ -289,6 +293,119 @@ def test_training_kernels_match_gather_and_scatter_add(setting, dtype, terms):
                     tolerance = 2 * (calls * count).sqrt() * 2.0**-24 * calls * size
                 assert torch.isfinite(got).all(), (first, tiled)
                 assert ((got.float() - want).abs() <= tolerance).all(), (first, tiled, dim)
+
+
+def banded(table, firsts, lines, band):
+    """A [g, H, n, W] table as a banded one ([tiles, H, g, lines, band], `native.Band`): tile k holds lines k * lines ..
+    from column firsts[k] on; NaN in the lines after the last (the kernel must never read them)."""
+    groups, heads, count, _ = table.shape
+    tiles = -(-count // lines)
+    out = torch.full((tiles, heads, groups, lines, band), float("nan"), dtype=table.dtype)
+    for k, first in enumerate(firsts):
+        part = table[:, :, k * lines : (k + 1) * lines, first : first + band]
+        out[k, :, :, : part.shape[2]] = part.transpose(0, 1)
+    return out
+
+
+def unbanded(table, firsts, count, width):
+    """The whole [g, H, count, width] table that a banded one stands for, zeros outside its bands."""
+    tiles, heads, groups, lines, band = table.shape
+    out = torch.zeros(groups, heads, tiles * lines, width, dtype=table.dtype)
+    for k, first in enumerate(firsts):
+        out[:, :, k * lines : (k + 1) * lines, first : first + band] = table[k].transpose(0, 1)
+    return out[:, :, :count]
+
+
+def band_firsts(positions, first, count, lines):
+    """The narrowest band (a multiple of 16) that every tile of `lines` lines reads within, from the formula: line l
+    of a block at row `first` reads column[first + l + s] for s < L; and each tile's first column, moved down where
+    the band would pass the table's last column."""
+    length, width, column = positions.length, positions.width, positions.column.tolist()
+    starts = range(first, first + count, lines)
+    reach = [column[min(start + lines - 1, first + count - 1) + length - 1] - column[start] + 1 for start in starts]
+    band = min(width, -(-max(reach) // 16) * 16)
+    return band, [min(column[start], width - band) for start in starts]
+
+
+@needs_kernel
+@pytest.mark.parametrize("lines", [16, 32])
+@pytest.mark.parametrize("terms", ["both", "c2p", "p2c"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("setting", list(HANKEL_POSITIONS))
+def test_training_kernels_read_and_write_banded_tables(setting, dtype, terms, lines):
+    """With banded tables (`native.Band`) the kernels give exactly what they give with the whole tables: the same
+    bias bit for bit, and the same gradients within the bands (summed in the same order), zeros outside them; ragged
+    last tiles (NaN in their unused lines), offset blocks, first columns moved down at the table's end."""
+    length = HANKEL_POSITIONS[setting][0]
+    for first, rows in [(0, 48), (7, 37), (length - 21, 21)]:
+        positions, c2p, p2c = hankel_tables(setting, dtype, rows)
+        c2p = c2p if terms in ("both", "c2p") else None
+        p2c = p2c if terms in ("both", "p2c") else None
+        width, column = positions.width, int32_column(positions)[first:]
+        c2p_band, c2p_firsts = band_firsts(positions, first, rows, lines)
+        p2c_band, p2c_firsts = band_firsts(positions, 0, length, lines)
+        band = max(c2p_band, p2c_band)
+        c2p_firsts = [min(f, width - band) for f in c2p_firsts]
+        p2c_firsts = [min(f, width - band) for f in p2c_firsts]
+        spec = native.Band(
+            lines, torch.tensor(c2p_firsts, dtype=torch.int32), torch.tensor(p2c_firsts, dtype=torch.int32)
+        )
+        grad = torch.randn(2, 3, rows, length, generator=torch.Generator().manual_seed(1)).to(dtype)
+        c2p_banded = banded(c2p, c2p_firsts, lines, band) if c2p is not None else None
+        p2c_banded = banded(p2c, p2c_firsts, lines, band) if p2c is not None else None
+        for tiled in [False, True] if native.kernel_columns(positions) is not None else [False]:
+            whole_out, out = (torch.empty(2, 3, rows, length, dtype=dtype) for _ in range(2))
+            native.hankel_bias(whole_out, c2p, p2c, column, tiled)
+            assert torch.equal(native.hankel_bias(out, c2p_banded, p2c_banded, column, tiled, spec), whole_out)
+            whole = [table.clone() if table is not None else None for table in (c2p, p2c)]
+            got = [
+                table.clone().fill_(float("nan")) if table is not None else None for table in (c2p_banded, p2c_banded)
+            ]
+            for add, tables, band_spec in [(False, whole, None), (False, got, spec)]:
+                native.hankel_bias_backward(grad, *tables, column, tiled, add, band_spec)
+                if tables[1] is not None:  # a second block of the group adds to p2c's gradient
+                    native.hankel_bias_backward(grad, None, tables[1], column, tiled, True, band_spec)
+            for want, banded_grad, firsts, count in [
+                (whole[0], got[0], c2p_firsts, rows),
+                (whole[1], got[1], p2c_firsts, length),
+            ]:
+                if want is None:
+                    continue
+                assert torch.isfinite(banded_grad[:, :, :, : count - (len(firsts) - 1) * lines]).all()
+                assert torch.equal(unbanded(banded_grad, firsts, count, width), want), (first, tiled)
+
+
+@needs_kernel
+def test_training_kernels_refuse_bands_that_miss_a_read():
+    """A band that does not hold every column its tile reads is a ValueError before anything is read or written,
+    as is a banded table of the wrong shape."""
+    positions, c2p, p2c = hankel_tables("v3", torch.float32, 32)
+    length, column = positions.length, int32_column(positions)
+    band, firsts = band_firsts(positions, 0, 32, 32)
+    table = banded(c2p, firsts, 32, band)
+    out = torch.empty(2, 3, 32, length)
+    with pytest.raises(ValueError, match="outside its band"):
+        native.hankel_bias(
+            out, table, None, column, True, native.Band(32, torch.tensor([firsts[0] + 1], dtype=torch.int32), None)
+        )
+    with pytest.raises(ValueError, match="outside its band"):
+        native.hankel_bias_backward(
+            out,
+            table,
+            None,
+            column,
+            True,
+            False,
+            native.Band(32, torch.tensor([firsts[0] - 16], dtype=torch.int32), None),
+        )
+    with pytest.raises(ValueError, match="tiles"):
+        native.hankel_bias(
+            out, table[:, :2], None, column, True, native.Band(32, torch.tensor(firsts, dtype=torch.int32), None)
+        )
+    with pytest.raises(ValueError, match="multiple of 16"):
+        native.hankel_bias(
+            out, table, None, column, True, native.Band(24, torch.tensor(firsts, dtype=torch.int32), None)
+        )
 
 
 def test_training_kernel_rejects_wrong_inputs():
