@@ -69,6 +69,7 @@ CPU_FUSED = True  # the fused CPU attention (`cpu_inference._attend_fused`) wher
 FUSED_FLOAT32 = True  # float32 takes the fused attention too (False: the bias kernel and SDPA; A/B timing)
 TRAINING_KERNEL = True  # CPU training's bias and its gradient by the compiled kernel (`native.hankel_bias`)
 DROPOUT_KERNEL = True  # dropout's decisions in CPU training by the compiled kernel (False: PyTorch's generator)
+BANDED_TABLES = True  # CPU training's kernel reads banded tables where they save enough (False: whole ones; A/B)
 FLEX_COMPILED = True  # flex_attention compiled (False: its dense reference of the same score_mod; tests)
 KEEP_WORKSPACE = True  # the blocked CPU paths keep their buffers between calls (False: fresh ones each call)
 IN_PLACE_GELU = True  # the feed-forward's exact GELU in place where no graph needs its input (False: A/B timing)
@@ -80,6 +81,7 @@ SWITCHES = {  # name: (the environment variable users set, or None: an attribute
     "FUSED_FLOAT32": (None, "the fused CPU attention in float32 too"),
     "TRAINING_KERNEL": (None, "CPU training's bias and its gradient by the compiled kernel"),
     "DROPOUT_KERNEL": (None, "dropout's decisions in CPU training by the compiled kernel"),
+    "BANDED_TABLES": (None, "CPU training's kernel reads banded position tables where they save enough"),
     "FLEX_COMPILED": (None, "flex_attention compiled, not its dense reference"),
     "KEEP_WORKSPACE": (None, "the blocked CPU paths keep their buffers between calls"),
     "IN_PLACE_GELU": (None, "the feed-forward's exact GELU in place where no graph needs its input"),

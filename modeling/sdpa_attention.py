@@ -46,13 +46,13 @@ SDPA_BLOCK_ELEMENTS = 1 << 21
 # On an accelerator the block is bounded too, but large enough that a batch takes a few kernel launches, not
 # hundreds (256 MiB in float32).
 SDPA_BLOCK_ELEMENTS_ACCELERATOR = 1 << 26
-# CPU training's kernel makes banded tables (`native.Band`) where they save enough: a tile of BAND_LINES lines of T
+# CPU training's kernel reads banded tables (`native.Band`) where they save enough: a tile of BAND_LINES lines of T
 # (rows) or U (keys) reads only the columns of BAND_LINES + L - 2 consecutive distances (160 of 255 columns at 128
 # tokens with v3's buckets), so each tile's product is made against those rows of Kr or Qr alone. Banded where the
 # band is at most BAND_MOST of the table's width and a group holds BAND_SEQUENCES sequences or more, so that each
-# tile's product has 128 lines at least: one layer's attention forward and backward at 4x128 (12 heads) timed 28 ms
-# banded against 34 ms whole on a 2-core EPYC (tiles of 16 lines: 31 ms, of 64: 28 ms), but slower banded at 1x256
-# (22 against 18 ms, one sequence per group) and at 2x512 (159 against 150 ms, 400 of 511 columns).
+# tile's product has 128 lines at least (v3's buckets and 12 heads: 90 to 209 tokens). Whole tables took 1.02 and 1.03
+# times as long a training step at 4x128 and 8x128 on a 2-core EPYC (`benchmarks.train_step --whole-tables`); one
+# layer's attention with one sequence per group timed slower banded at 1x256, and alike at 2x512 (400 of 511 columns).
 BAND_LINES = 32
 BAND_MOST = 0.7
 BAND_SEQUENCES = 4
@@ -292,7 +292,7 @@ class BlockedAttention(torch.autograd.Function):
         # in the query's dtype: under autocast the relative rows may be float32
         kr, qr = (rows.to(query.dtype) if rows is not None else None for rows in (pos_key, pos_query))
         column, tiled = _kernel_column(positions, kernel)
-        bands = _band_width(positions) if column is not None else None
+        bands = _band_width(positions) if column is not None and switch_value("BANDED_TABLES") else None
         if bands is not None:  # [H, W, D] laid out so, so that a band of its rows is a batch of matrices for bmm
             kr, qr = (rows.contiguous() if rows is not None else None for rows in (kr, qr))
         group, p2c_keys, p2c_first, c2p_first = None, None, None, None
@@ -341,6 +341,7 @@ class BlockedAttention(torch.autograd.Function):
                 context[sequences, rows] = attended.transpose(1, 2)
         ctx.save_for_backward(query, key, value, kr, qr, context, *probs, *keeps)
         ctx.tiles, ctx.positions, ctx.scaling, ctx.dropout, ctx.kernel = tiles, positions, scaling, dropout, kernel
+        ctx.bands = bands
         ctx.thread = threading.get_ident()
         ctx.relative_dtypes = tuple(rows.dtype if rows is not None else None for rows in (pos_key, pos_query))
         return context
@@ -358,7 +359,7 @@ class BlockedAttention(torch.autograd.Function):
         grad_kr, grad_qr = (rows.new_zeros(rows.shape) if rows is not None else None for rows in (kr, qr))
         delta = (grad_context * context).sum(-1).transpose(1, 2)  # [B, H, L]: rowsum(dO * O) = rowsum(P * dP)
         column, tiled = _kernel_column(positions, ctx.kernel)
-        bands = _band_width(positions) if column is not None else None
+        bands = ctx.bands  # banded as the forward was
         group = grad_p2c = p2c_first = None
         first_of_group = True  # the kernel writes a group's p2c gradient at its first block, and adds to it after
         for (sequences, first, last), block_probs, block_keep in zip(tiles, probs, keeps):

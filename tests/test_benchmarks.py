@@ -646,6 +646,26 @@ def test_attention_sinks_against_hand_computed():
         assert found["sep"][1] == pytest.approx((0.2 + 0.2 + 0.2) / 3)
 
 
+def test_train_step_times_whole_position_tables_beside_banded_ones(monkeypatch, capsys):
+    """--whole-tables adds the sdpa model with CPU training's kernel reading whole position tables: those steps call
+    it without a band, the model's own with one (4x128 at v3's buckets), and the switch is on afterwards."""
+    from benchmarks import train_step
+    from disentangled.modeling import dispatch, native, sdpa_attention
+
+    if not native.available():
+        pytest.skip(f"the kernel does not run here: {native.why_unavailable()}")
+    banded = []  # for each call of the kernel: whether it read banded tables
+    function = sdpa_attention.hankel_bias
+    monkeypatch.setattr(
+        sdpa_attention, "hankel_bias", lambda *args: banded.append(args[5] is not None) or function(*args)
+    )
+    train_step.main(["--cases", "4x128", "--layers", "1", "--repeats", "1", "--no-eager", "--whole-tables"])
+    printed = capsys.readouterr().out
+    rows = [line.split(" | ")[0] for line in printed.splitlines() if line.startswith("| ") and " ms |" in line]
+    assert rows == ["| ours-sdpa", "| transformers-deberta", "| bert-sdpa", f"| {train_step.WHOLE_TABLES}"]
+    assert True in banded and False in banded and dispatch.BANDED_TABLES
+
+
 def test_train_step_times_pytorchs_dropout_draws_beside_the_kernels(monkeypatch, capsys):
     """--pytorch-dropout adds the sdpa model with dropout's decisions drawn by PyTorch's generator: those steps run
     with the switch off (no kernel call), the others with it on, and the switch is on afterwards."""
