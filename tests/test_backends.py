@@ -566,6 +566,18 @@ def test_blocked_attention_gradients_with_dropout(block_elements):
     assert torch.autograd.gradcheck(attention, tuple(tensors), eps=1e-6, atol=1e-5)
 
 
+def assert_matches_the_dense_formula(actual, tensors, keep, positions, dropout_keep, dropout):
+    """BlockedAttention's context `actual` (scaling 0.3) and its gradients, against random output weights, equal the
+    dense formula's (`reference_attention`) in float32: within 1e-5 of each one's largest entry (at least 1)."""
+    expected = reference_attention(*tensors, keep, positions, 0.3, dropout_keep, dropout)
+    weights = torch.randn_like(expected)
+    actual_grads = torch.autograd.grad((actual * weights).sum(), tensors)
+    expected_grads = torch.autograd.grad((expected * weights).sum(), tensors)
+    assert (actual - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
+    for name, got, want in zip(("query", "key", "value", "Kr", "Qr"), actual_grads, expected_grads):
+        assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item()), name
+
+
 def training_kernel(monkeypatch, kernel: bool) -> list:
     """The list the calls of CPU training's compiled kernel are counted in (skips where it does not build)."""
     if kernel and not native.available():
@@ -595,13 +607,7 @@ def test_blocked_attention_matches_the_dense_formula(monkeypatch, kernel, length
             torch.manual_seed(3)
             whole = 2 * 3 * length * length
             actual = sdpa_attention.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, whole, kernel)
-        expected = reference_attention(*tensors, keep, positions, 0.3, dropout_keep, dropout)
-        weights = torch.randn_like(expected)
-        actual_grads = torch.autograd.grad((actual * weights).sum(), tensors)
-        expected_grads = torch.autograd.grad((expected * weights).sum(), tensors)
-        assert (actual - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
-        for name, got, want in zip(("query", "key", "value", "Kr", "Qr"), actual_grads, expected_grads):
-            assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item()), name
+        assert_matches_the_dense_formula(actual, tensors, keep, positions, dropout_keep, dropout)
     assert {"hankel_bias", "hankel_bias_backward"} == set(calls) if kernel else not calls
 
 
@@ -633,13 +639,7 @@ def test_blocked_attention_with_banded_tables_matches_the_dense_formula(monkeypa
             for sequences, first, last in sdpa_attention._tiles(tensors[0], block_elements):
                 shape = (sequences.stop - sequences.start, 3, last - first, length)
                 dropout_keep[sequences, :, first:last] = sdpa_attention.dropout_keep_mask(shape, dropout, "cpu")
-        expected = reference_attention(*tensors, keep, positions, 0.3, dropout_keep, dropout)
-        weights = torch.randn_like(expected)
-        actual_grads = torch.autograd.grad((actual * weights).sum(), tensors)
-        expected_grads = torch.autograd.grad((expected * weights).sum(), tensors)
-        assert (actual - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
-        for name, got, want in zip(("query", "key", "value", "Kr", "Qr"), actual_grads, expected_grads):
-            assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item()), name
+        assert_matches_the_dense_formula(actual, tensors, keep, positions, dropout_keep, dropout)
     band = sdpa_attention._band_width(positions)
     assert band is not None and band < positions.width and {"hankel_bias", "hankel_bias_backward"} == set(calls)
     assert bands and all(b is not None and b.lines == lines for b in bands)

@@ -26,7 +26,7 @@ import pytest
 import torch
 from test_fused_attention import SCALE, formula
 from test_fused_attention import inputs as attention_inputs
-from test_native import POSITIONS, band_firsts, banded, hankel_reference, reference, splitmix64_keep, tables
+from test_native import POSITIONS, band_layout, banded, hankel_reference, reference, splitmix64_keep, tables
 
 from disentangled.modeling import native
 from disentangled.modeling.disentangled_attention import RelativePositions
@@ -205,12 +205,7 @@ def record_banded_calls(recording: Recording, positions, c2p, p2c, first, rows, 
     """The same call with banded tables (`native.Band`, 32 lines to a tile): the same bias, and the gradients
     banded."""
     length, lines = positions.length, 32
-    (c2p_band, c2p_firsts), (p2c_band, p2c_firsts) = (
-        band_firsts(positions, start, count, lines) for start, count in ((first, rows), (0, length))
-    )
-    band = max(c2p_band, p2c_band)
-    firsts = [[min(f, positions.width - band) for f in firsts] for firsts in (c2p_firsts, p2c_firsts)]
-    spec = native.Band(lines, *(torch.tensor(f, dtype=torch.int32) for f in firsts))
+    band, firsts, spec = band_layout(positions, first, rows, lines)
     tables = [banded(table, f, lines, band) for table, f in zip((c2p, p2c), firsts)]
     column = int32_column(positions)[first:]
     out = torch.full((2, 1, rows, length), float("nan"), dtype=c2p.dtype)

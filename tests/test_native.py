@@ -327,6 +327,17 @@ def band_firsts(positions, first, count, lines):
     return band, [min(column[start], width - band) for start in starts]
 
 
+def band_layout(positions, first, rows, lines):
+    """The band and first columns of a block's c2p table (rows from `first` on) and of its group's p2c table (every
+    key), one width for both (`band_firsts`), with the `native.Band` that says so."""
+    (c2p_band, c2p_firsts), (p2c_band, p2c_firsts) = (
+        band_firsts(positions, start, count, lines) for start, count in ((first, rows), (0, positions.length))
+    )
+    band = max(c2p_band, p2c_band)
+    firsts = [[min(f, positions.width - band) for f in firsts] for firsts in (c2p_firsts, p2c_firsts)]
+    return band, firsts, native.Band(lines, *(torch.tensor(f, dtype=torch.int32) for f in firsts))
+
+
 @needs_kernel
 @pytest.mark.parametrize("lines", [16, 32])
 @pytest.mark.parametrize("terms", ["both", "c2p", "p2c"])
@@ -342,14 +353,7 @@ def test_training_kernels_read_and_write_banded_tables(setting, dtype, terms, li
         c2p = c2p if terms in ("both", "c2p") else None
         p2c = p2c if terms in ("both", "p2c") else None
         width, column = positions.width, int32_column(positions)[first:]
-        c2p_band, c2p_firsts = band_firsts(positions, first, rows, lines)
-        p2c_band, p2c_firsts = band_firsts(positions, 0, length, lines)
-        band = max(c2p_band, p2c_band)
-        c2p_firsts = [min(f, width - band) for f in c2p_firsts]
-        p2c_firsts = [min(f, width - band) for f in p2c_firsts]
-        spec = native.Band(
-            lines, torch.tensor(c2p_firsts, dtype=torch.int32), torch.tensor(p2c_firsts, dtype=torch.int32)
-        )
+        band, (c2p_firsts, p2c_firsts), spec = band_layout(positions, first, rows, lines)
         grad = torch.randn(2, 3, rows, length, generator=torch.Generator().manual_seed(1)).to(dtype)
         c2p_banded = banded(c2p, c2p_firsts, lines, band) if c2p is not None else None
         p2c_banded = banded(p2c, p2c_firsts, lines, band) if p2c is not None else None
