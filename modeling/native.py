@@ -503,14 +503,9 @@ def _hankel(name, scores: Tensor, c2p, p2c, column: Tensor, tiled: bool, add_p2c
                 )
             if first is None or first.dtype != torch.int32 or not first.is_contiguous() or first.numel() < tiles:
                 raise ValueError(f"{name}: a banded table needs int32 first columns, one per tile ({tiles})")
-            fields.update(
-                {letter: table.data_ptr(), f"{letter}_sequence": table.stride(2), f"{letter}_head": table.stride(1)},
-                **{
-                    f"{letter}_row": table.stride(3),
-                    f"{letter}_tile": table.stride(0),
-                    f"{letter}_first": first.data_ptr(),
-                },
-            )
+            strides = {"tile": 0, "head": 1, "sequence": 2, "row": 3}  # of [tiles, H, g, lines, W]
+            fields.update({f"{letter}_{name}": table.stride(dim) for name, dim in strides.items()})
+            fields.update({letter: table.data_ptr(), f"{letter}_first": first.data_ptr()})
         fields["band_lines"] = band.lines
     args = _HankelArgs(
         scores=scores.data_ptr(),

@@ -316,7 +316,7 @@ class BlockedAttention(torch.autograd.Function):
                 group_heads = (sequences.stop - sequences.start, heads)
                 if column is not None:  # c2p + p2c by the kernel
                     scores = query.new_empty(*group_heads, last - first, length)
-                    banded = Band(BAND_LINES, _firsts(c2p_first), _firsts(p2c_first)) if band is not None else None
+                    banded = _band_spec(band, c2p_first, p2c_first)
                     hankel_bias(scores, c2p_rows, p2c_keys, column[first:], tiled, banded)
                 else:  # p2c read by table row
                     p2c_rows = p2c_keys.mT if p2c_keys is not None else None
@@ -396,7 +396,7 @@ class BlockedAttention(torch.autograd.Function):
             elif kr is not None:
                 grad_c2p, c2p_first = _banded_rows(positions, "c2p", block_query, kr, first, band, product=False)
             if column is not None:  # by the kernel: dS summed into grad_c2p (written) and grad_p2c (added to)
-                banded = Band(BAND_LINES, _firsts(c2p_first), _firsts(p2c_first)) if band is not None else None
+                banded = _band_spec(band, c2p_first, p2c_first)
                 hankel_bias_backward(grad_scores, grad_c2p, grad_p2c, column[first:], tiled, not first_of_group, banded)
                 first_of_group = False
             else:
@@ -458,14 +458,17 @@ def _band_first(positions: RelativePositions, first: int, count: int, band: int)
 
     def make(positions: RelativePositions) -> tuple[list[int], Tensor]:
         starts = torch.arange(first, first + count, BAND_LINES).clamp(max=2 * positions.length - 2)
-        firsts = positions.column.cpu()[starts].clamp(max=positions.width - band)
+        firsts = positions.column[starts].clamp(max=positions.width - band)
         return firsts.tolist(), firsts.to(torch.int32)
 
     return per_forward(positions, f"band first {first} {count}", make)
 
 
-def _firsts(first: tuple[list[int], Tensor] | None) -> Tensor | None:
-    return first[1] if first is not None else None
+def _band_spec(band: int | None, c2p_first, p2c_first) -> Band | None:
+    """What the kernel is told of the tables: banded (`_band_first`'s int32 columns of each) where `band` is set."""
+    if band is None:
+        return None
+    return Band(BAND_LINES, *(first[1] if first is not None else None for first in (c2p_first, p2c_first)))
 
 
 def _lines(positions: RelativePositions, kind: str, content: Tensor) -> Tensor:
