@@ -1,4 +1,4 @@
-"""`disentangled.accelerate(model)` and `enable()` / `disable()` on transformers' own DeBERTa models.
+"""`disentangled.accelerate(model)`, `restore(model)` and `enable()` / `disable()` on transformers' own DeBERTa models.
 
 Each accelerated model is compared with the same transformers model unaccelerated, on the same weights and inputs:
 outputs at real tokens (float32, 1e-5 of their scale) and every parameter's gradient (1e-4), for every released
@@ -278,6 +278,55 @@ def _deberta_class_state() -> dict:
         )
     }
     return {"classes": classes, "mappings": mappings}
+
+
+def _every_output(model: torch.nn.Module, batch: dict) -> list[torch.Tensor]:
+    """Every layer's hidden states, padded positions included (there the two attentions differ by design)."""
+    with torch.no_grad():
+        return list(model(**batch, output_hidden_states=True).hidden_states)
+
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_restore_gives_back_transformers_model(version):
+    """`restore` undoes `accelerate`: transformers' classes and attributes, the same parameter tensors, and every
+    output equal to the original's bit for bit, padded positions included, where the accelerated model's differ."""
+    shape = V2_SHAPES["deberta-v3-xsmall"] if version == 2 else V1_SHAPES["deberta-base"]
+    original = reference_model(version, shape, "SequenceClassification")
+    model = copy.deepcopy(original)
+    classes = [type(module) for module in model.modules()]
+    attributes = [sorted(vars(module)) for module in model.modules()]
+    tensors = {name: tensor.data_ptr() for name, tensor in model.state_dict().items()}
+    batch = padded_batch(1000, [90, 41])
+    expected = _every_output(original, batch)
+
+    disentangled.accelerate(model)
+    accelerated = _every_output(model, batch)
+    assert not all(torch.equal(a, b) for a, b in zip(accelerated, expected))  # the check below would fail here
+    assert disentangled.restore(model) is model
+
+    assert not is_accelerated(model)
+    assert [type(module) for module in model.modules()] == classes
+    assert [sorted(vars(module)) for module in model.modules()] == attributes
+    assert {name: tensor.data_ptr() for name, tensor in model.state_dict().items()} == tensors
+    for restored, reference in zip(_every_output(model, batch), expected, strict=True):
+        assert torch.equal(restored, reference)
+    with pytest.raises(ValueError, match="nothing to restore"):
+        disentangled.restore(model)
+    disentangled.accelerate(model, attn_implementation="eager")  # and it can be accelerated again
+    assert {m.implementation for m in model.modules() if isinstance(m, AcceleratedSelfAttention)} == {"eager"}
+
+
+def test_restore_undoes_enable_on_a_model_built_under_it():
+    config = transformers.DebertaV2Config(**cut(V2_SHAPES["deberta-v3-xsmall"]))
+    try:
+        disentangled.enable()
+        model = transformers.DebertaV2Model(config)
+    finally:
+        disentangled.disable()
+    assert is_accelerated(model)
+    disentangled.restore(model)
+    assert type(model.encoder) is transformers.models.deberta_v2.modeling_deberta_v2.DebertaV2Encoder
+    assert not is_accelerated(model)
 
 
 def test_enable_accelerates_models_built_afterwards_and_disable_restores(tmp_path):

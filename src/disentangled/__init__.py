@@ -1,7 +1,8 @@
 """disentangled: DeBERTa's disentangled attention as a first-class Hugging Face Transformers architecture.
 
 `import disentangled` registers `DisentangledConfig` and every head with transformers' Auto classes;
-`disentangled.accelerate(model)` and `disentangled.enable()` run our attention inside transformers' own DeBERTa models.
+`disentangled.accelerate(model)` and `disentangled.enable()` run our attention inside transformers' own DeBERTa models
+(`disentangled.restore(model)` takes it out again).
 
 The package, one folder per job (docs/internals/architecture.md draws how they connect):
 
@@ -19,7 +20,7 @@ classes) and `qa.py` (`disentangled.qa.answer_question`, extractive QA where tra
 
 from .configuration import DisentangledConfig
 from .explain import explain_attention, explain_texts
-from .integrations import accelerate, disable, enable
+from .integrations import accelerate, disable, enable, restore
 from .modeling import (
     DisentangledForMaskedLM,
     DisentangledForMultipleChoice,
@@ -52,6 +53,7 @@ __all__ = [
     "DisentangledForMultipleChoice",
     "register",
     "accelerate",
+    "restore",
     "enable",
     "disable",
     "explain_attention",

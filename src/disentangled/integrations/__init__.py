@@ -1,15 +1,15 @@
 """Integrations: our attention and tokenizers where transformers and the libraries built on it make the models.
 
 - `acceleration.py`: `accelerate(model)` swaps our attention into transformers' own DeBERTa models in place (GLiNER,
-  sentence-transformers, pipelines), `enable()` / `disable()` for every model built (docs/libraries.md);
+  sentence-transformers, pipelines), `restore(model)` undoes it, `enable()` / `disable()` for every model built (docs/libraries.md);
 - `tokenization.py`: DeBERTa-v2/v3 tokenizers from a bare SentencePiece model that load the same on transformers
   4.57 and 5 (`tokenizer_from_spm`, `make_tokenizer_portable`), used by conversion, pretraining and the demo;
 - `sharding.py`: training under FSDP2 and DeepSpeed ZeRO-3 (a wrap policy checked against the tables each module
   reads, whole-model saving from sharded runs, memory per GPU; docs/multi-gpu.md).
 
-Exports `accelerate`, `enable`, `disable` and `is_accelerated`; the package root exports the first three.
+Exports `accelerate`, `restore`, `enable`, `disable` and `is_accelerated`; the package root exports the first four.
 """
 
-from .acceleration import accelerate, disable, enable, is_accelerated
+from .acceleration import accelerate, disable, enable, is_accelerated, restore
 
-__all__ = ["accelerate", "enable", "disable", "is_accelerated"]
+__all__ = ["accelerate", "restore", "enable", "disable", "is_accelerated"]

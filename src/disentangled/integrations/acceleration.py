@@ -13,7 +13,10 @@ do not: the same tensors under the same names, so `state_dict()` keys, `save_pre
 feed-forward blocks, LayerNorms, embeddings and heads run as they are (gradient checkpointing included).
 
 `enable()` makes every DeBERTa model transformers builds for the rest of the process accelerated (the Auto classes,
-`from_pretrained`, `pipeline`, and so the libraries above); `disable()` undoes it.
+`from_pretrained`, `pipeline`, and so the libraries above); `disable()` undoes it for models built later.
+`restore(model)` undoes `accelerate(model)` on a model in hand, accelerated either way: each swapped module gets its
+transformers class back and the attributes our setup set or changed are put back as they were (the parameters were
+never touched), so the model computes what transformers computes.
 
 Padded query rows: transformers masks the pairs (i, j) where either token is padding, so a padded query attends
 uniformly; our backends mask padded keys only. The outputs at real tokens are the same; those at padded positions
@@ -252,7 +255,8 @@ def _accelerate(model: nn.Module, implementation: str, already: str, unsupported
                 if already == "raise":
                     raise ValueError(
                         f"{where} ({type(base).__name__}) is accelerated already: call disentangled.accelerate "
-                        "once per model (models built after disentangled.enable() are accelerated as they are built)"
+                        "once per model (models built after disentangled.enable() are accelerated as they are built; "
+                        "disentangled.restore(model) undoes it)"
                     )
                 continue
             raise ValueError(
@@ -270,13 +274,43 @@ def _accelerate(model: nn.Module, implementation: str, already: str, unsupported
         todo.append((base, config))
     for base, config in todo:
         encoder = base.encoder
-        encoder.__class__ = ENCODERS[type(encoder)]
-        encoder.setup(config)
+        _swap(encoder, ENCODERS[type(encoder)], config)
         for index, layer in enumerate(encoder.layer):
             attention = layer.attention.self
-            attention.__class__ = ATTENTIONS[type(attention)]
-            attention.setup(config, implementation, index)
+            _swap(attention, ATTENTIONS[type(attention)], config, implementation, index)
     return len(todo)
+
+
+BEFORE = "_before_acceleration"  # the attribute where a swapped module keeps what `restore` puts back
+_MISSING = object()  # an attribute the module did not have (here), a class without its own post_init (enable())
+
+
+def _swap(module: nn.Module, accelerated: type[nn.Module], *settings) -> None:
+    """Give `module` its accelerated class and run its `setup(*settings)`, remembering which instance attributes the setup added or
+    replaced (with their values before) and which submodules it added: exactly what `restore` undoes."""
+    before, submodules = dict(vars(module)), set(module._modules)
+    module.__class__ = accelerated
+    module.setup(*settings)
+    changed = {
+        name: before.get(name, _MISSING)
+        for name, value in vars(module).items()
+        if name not in before or value is not before[name]
+    }
+    setattr(module, BEFORE, (changed, set(module._modules) - submodules))
+
+
+def _unswap(module: nn.Module) -> None:
+    """Undo `_swap`: transformers' class, the attributes as they were, the added submodules removed."""
+    changed, added = getattr(module, BEFORE)
+    delattr(module, BEFORE)
+    for name, value in changed.items():
+        if value is _MISSING:
+            del module.__dict__[name]
+        else:
+            module.__dict__[name] = value
+    for name in added:
+        del module._modules[name]
+    module.__class__ = module.transformers_class
 
 
 def accelerate(model: nn.Module, attn_implementation: str | None = None) -> nn.Module:
@@ -302,13 +336,29 @@ def accelerate(model: nn.Module, attn_implementation: str | None = None) -> nn.M
     return model
 
 
+def restore(model: nn.Module) -> nn.Module:
+    """Undo `accelerate(model)` (or `enable()`'s acceleration of a model built under it), in place: every DeBERTa
+    encoder and self-attention module of `model` gets transformers' class back, with its attributes as they were before
+    it was accelerated; the parameters are the same tensors throughout. The model then computes what transformers'
+    DeBERTa computes, padded positions included. Returns `model`.
+
+    Raises ValueError where nothing in `model` is accelerated."""
+    encoders = [module for module in model.modules() if isinstance(module, AcceleratedEncoder)]
+    if not encoders:
+        raise ValueError(f"{type(model).__name__} has no accelerated DeBERTa inside: nothing to restore")
+    for encoder in encoders:
+        for layer in encoder.layer:
+            _unswap(layer.attention.self)
+        _unswap(encoder)
+    return model
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # enable() / disable(): every DeBERTa model transformers builds. transformers' models end their __init__ with
 # `self.post_init()`; our hook on the two DeBERTa base classes accelerates the model after it. A head model's
 # backbone is accelerated by the backbone's own post_init, before the head's: "skip" there.
 
 PATCHED = (deberta_v2.DebertaV2PreTrainedModel, deberta_v1.DebertaPreTrainedModel)
-_MISSING = object()
 _saved: dict[type, object] = {}  # class -> its own post_init before enable() (_MISSING: inherited)
 _enabled: dict[str, str] = {}
 
