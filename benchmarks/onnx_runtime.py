@@ -259,12 +259,33 @@ def memory(graphs: dict, lengths: list[int], threads: int) -> dict:
     return result
 
 
+# What the serving page calls each model: a reader's words, not the benchmark's keys
+SHOWN = {
+    "ours-pytorch": "ours in PyTorch",
+    "ours-onnx-before": "ours, portable graph",
+    "ours-onnx": "ours, default graph",
+    "ours-onnx-kernel": "ours, --kernel graph",
+    "deberta-onnx": "transformers' DeBERTa",
+    "bert-onnx": "BERT",
+    "bert-onnx-optimized": "BERT, optimized",
+}
+EXPORTERS = {"bert-dynamo-optimized": "torch's dynamo exporter", "bert-torchscript-optimized": "TorchScript exporter"}
+
+
+def shown_label(label: str) -> str:
+    """A memory row's label as the page shows it: 'bert-onnx-optimized (bert-dynamo-optimized)' -> 'BERT, optimized
+    (torch's dynamo exporter)'."""
+    name, _, stem = label.partition(" (")
+    stem = stem.rstrip(")")
+    return SHOWN.get(name, name) + (f" ({EXPORTERS.get(stem, stem)})" if stem else "")
+
+
 def markdown(rows: list[dict], memory_figures: dict, layers: int) -> str:
     columns = [name for name in COLUMNS if any(name in row["times"] for row in rows)]
     kernel = "ours-onnx-kernel" in columns
-    ratios = ["ours-onnx / BERT", *(["kernel / BERT"] if kernel else []), "before / BERT"]
+    ratios = ["default / BERT", *(["--kernel / BERT"] if kernel else []), "portable / BERT"]
     lines = [
-        f"| case ({layers} layers, ms per call) | " + " | ".join(columns + ratios) + " |",
+        f"| case ({layers} layers, ms per call) | " + " | ".join([SHOWN[name] for name in columns] + ratios) + " |",
         "|---" * (len(columns) + len(ratios) + 1) + "|",
     ]
     for row in rows:
@@ -283,7 +304,7 @@ def markdown(rows: list[dict], memory_figures: dict, layers: int) -> str:
             for length in lengths:
                 figure = figures[length]
                 cells.append(f"{figure['peak']:.2f} ({figure['rss_after_load']:.2f})" if "peak" in figure else "failed")
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            lines.append(f"| {shown_label(label)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

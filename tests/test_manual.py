@@ -3,6 +3,8 @@
 - No words of the project's own workflow in README.md, model_card.md or docs/ (generated sections and the pictures'
   text included): a reader has no issue tracker of ours to follow, no scratch folder, no uncommitted tree, no machine
   of ours with its output folder. A record keeps such things; a page shows the command a reader reruns.
+- No words of the project's own making in the pages' prose (code and commands aside): the names of our CI's virtual
+  environments, our benchmarks' word "anchors", the keys a benchmark gives its columns; a page says what they are.
 - The build needs neither torch nor transformers nor the package: the API reference is read from the sources.
 """
 
@@ -69,6 +71,63 @@ def test_the_manual_has_no_workflow_words(path):
         for word in workflow_words(line)
     ]
     assert not found, f"{path.relative_to(REPO)} speaks of our own workflow:\n" + "\n".join(found)
+
+
+# pattern -> what to write instead; checked over the prose of the pages (fenced blocks, inline code and HTML comments
+# removed: a command or a file name is written as it is)
+PROJECT_WORDS = {
+    r"\.venv\w*": "a virtual environment of our CI: say what environment the reader needs",
+    r"\.ci/": "our CI's script: only the contributors' page names it",
+    r"\banchors?\b": "our benchmarks' word for the other GPU implementations: name them (FlashDeBERTa, disentangled-flash)",
+    r"\bours-onnx[\w-]*|\bours-pytorch\b|\bdeberta-onnx\b|\bbert-onnx[\w-]*|\bbert-(?:dynamo|torchscript)\b": (
+        "a benchmark's key for a column: say what the model or graph is"
+    ),
+    r"\bat or under it\b": "the benchmark's wording: say 'met in N of M processes'",
+}
+CONTRIBUTORS = {"docs/contributing.md": {r"\.ci/"}}  # the page for people who change the project names its CI
+
+
+def prose(text: str) -> str:
+    """The text a reader reads as sentences: fenced blocks, HTML comments and inline code blanked, lines kept."""
+    blank = lambda match: "\n" * match[0].count("\n")  # noqa: E731
+    text = re.sub(r"^```.*?^```", blank, text, flags=re.DOTALL | re.MULTILINE)
+    text = re.sub(r"<!--.*?-->", blank, text, flags=re.DOTALL)
+    return re.sub(r"`[^`\n]+`", "", text)
+
+
+def project_words(text: str, allowed: set[str] = frozenset()) -> list[str]:
+    found = []
+    for pattern, what in PROJECT_WORDS.items():
+        if pattern not in allowed:
+            found += [f"{match[0]!r} ({what})" for match in re.finditer(pattern, text)]
+    return found
+
+
+def test_the_checker_finds_the_project_s_words_the_manual_once_had():
+    old = [
+        "cases run in a second Python environment (`--python PATH`; by default\n`.venv457suite/bin/python`, which "
+        "`.ci/run` makes)",
+        "a venv of its own (.venv457suite)",
+        "then the benchmark, beside the anchors: inference faster than both anchors",
+        "| case | ours-pytorch | ours-onnx-before | ours-onnx |",
+        "| bert-onnx-optimized (bert-dynamo-optimized) | 1.39 |",
+        "| case | ratio | target | processes at or under it |",
+    ]
+    assert [bool(project_words(prose(sentence))) for sentence in old] == [False, True, True, True, True, True]
+    assert project_words("by default .venv457suite/bin/python, which .ci/run makes")  # outside code it is caught
+    fine = "`--anchors` (which of those), `benchmarks/gpu_anchors.py`, ```\npython -m benchmarks.onnx_runtime\n```"
+    assert project_words(prose(fine)) == []
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda path: str(path.relative_to(REPO)))
+def test_the_manual_speaks_the_reader_s_words(path):
+    name = str(path.relative_to(REPO))
+    found = [
+        f"line {number}: {word}"
+        for number, line in enumerate(prose(path.read_text()).splitlines(), 1)
+        for word in project_words(line, CONTRIBUTORS.get(name, set()))
+    ]
+    assert not found, f"{name} uses the project's own words:\n" + "\n".join(found)
 
 
 def test_the_generator_shows_a_reader_s_command(tmp_path):
