@@ -122,7 +122,8 @@ def test_report_renders_the_table_from_a_record(tmp_path):
     }
     append_record("accelerate", figures, command=["python", "-m", "benchmarks.accelerate"], folder=tmp_path)
     append_record("accelerate", figures | {"quick": True}, command=["quick"], folder=tmp_path)  # not on the page
-    two_layers = figures | {"layers": 2, "cases": [synthetic_case("crossencoder", 1, 128, 0.1, 0.2)]}
+    two_layer_cases = [synthetic_case("crossencoder", 1, 128, 0.1, 0.2), synthetic_case("gliner", 1, 512, 1.0, 0.8)]
+    two_layers = figures | {"layers": 2, "cases": two_layer_cases}
     append_record("accelerate", two_layers, command=["two", "layers"], folder=tmp_path)  # a column of its own
     newer = figures | {"cases": [synthetic_case("gliner", 1, 512, 1.0, 0.5)], "repeats": 5}
     append_record("accelerate", newer, command=["newer"], folder=tmp_path)  # replaces one case of the first
@@ -130,9 +131,10 @@ def test_report_renders_the_table_from_a_record(tmp_path):
     page = texts[Path("docs/libraries.md")]
     section = page.split(report.BEGIN.format(name="libraries"))[1].split(report.END)[0]
     gliner, crossencoder = section.split("### Speed of GLiNER\n")[1].split("### Speed of sentence-transformers")
-    assert "| input | float32, 12 layers |\n" in gliner and " 2 layers" not in gliner
-    assert "| 8x2048 | 4.00x (12.000 s / 3.000 s) |" in gliner
-    assert "| 1x512 | 2.00x (1.000 s / 0.500 s) |" in gliner  # the newer record's
+    assert "| input | float32, 12 layers | float32, 2 layers |\n" in gliner
+    assert "| 1x512 | 2.00x (1.000 s / 0.500 s) | 1.25x (1.000 s / 0.800 s) |" in gliner  # no target at 2 layers
+    assert "2 layers against 12, float32: a lower speed-up at 1x512 (1.25x against 2.00x)." in gliner
+    assert "| 8x2048 | 4.00x (12.000 s / 3.000 s) | - |" in gliner and "under" not in gliner
     assert "gliner 0.2.29" in gliner and "transformers 4.57.6" in gliner and "Faster accelerated than not" in gliner
     assert "`python -m benchmarks.accelerate`" in gliner and "`newer`" in gliner and "`quick`" not in section
     assert "| input | float32, 2 layers |" in crossencoder
@@ -141,6 +143,7 @@ def test_report_renders_the_table_from_a_record(tmp_path):
     assert "Not run in some records: gliner2 (gliner2 is not installed)." in section
     under = dict(synthetic_case("gliner", 1, 512, 1.0, 0.8))
     assert accelerate.cell(under) == "1.25x, under 1.5x (1.000 s / 0.800 s)"
+    assert accelerate.cell(under, targeted=False) == "1.25x (1.000 s / 0.800 s)"  # a depth the targets are not for
     assert accelerate.section([]) == "No record yet: `python -m benchmarks.accelerate` writes one."
 
 
