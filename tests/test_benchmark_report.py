@@ -137,7 +137,8 @@ def gpu_record(folder, gpu: str = "NVIDIA H200") -> dict:
             },
         ],
     }
-    return append_record("run", figures, command=["python", "-m", "benchmarks.run", "--device", "cuda"], folder=folder)
+    command = ["python", "-m", "benchmarks.run", "--device", "cuda"]
+    return append_record("run", figures, command=command, folder=folder, commit="c235d78")  # a clean commit: shown
 
 
 def test_a_gpu_record_makes_the_gpu_table_and_figure_beside_the_cpu_ones(tmp_path):
@@ -147,7 +148,7 @@ def test_a_gpu_record_makes_the_gpu_table_and_figure_beside_the_cpu_ones(tmp_pat
     shutil.copytree(RECORDS, tmp_path / "records")
     before, before_figures = report.generate(tmp_path / "records")
     page = before[report.Path("docs/performance.md")]
-    gpu_part = page.split("## Results on GPUs", 1)[1].split("## Reading the results", 1)[0]
+    gpu_part = page.split("## Results on GPUs", 1)[1].split("## Older records", 1)[0]
     assert "No GPU results yet: nothing on this page was measured on a GPU" in gpu_part
     assert "has not yet run on a GPU" in gpu_part and "(#on-a-gpu)" in gpu_part
     assert report.Path("docs/performance/gpu.png") not in before_figures
@@ -156,9 +157,9 @@ def test_a_gpu_record_makes_the_gpu_table_and_figure_beside_the_cpu_ones(tmp_pat
     texts, figures = report.generate(tmp_path / "records")
     page = texts[report.Path("docs/performance.md")]
     cpu_part, gpu_part = page.split("## Results on GPUs", 1)
-    gpu_part, after = gpu_part.split("## Reading the results", 1)
+    gpu_part, after = gpu_part.split("## Older records", 1)
     assert cpu_part == before[report.Path("docs/performance.md")].split("## Results on GPUs", 1)[0]
-    assert after == before[report.Path("docs/performance.md")].split("## Reading the results", 1)[1]
+    assert after == before[report.Path("docs/performance.md")].split("## Older records", 1)[1]
     assert texts[report.Path("README.md")] == before[report.Path("README.md")]
     assert "### NVIDIA H200, bfloat16" in gpu_part and "flashdeberta 0.0.8, disentangled-flash 1.1.1" in gpu_part
     assert "Parity before the timings: passed." in gpu_part and "Not started (time budget): train 4x2048" in gpu_part
@@ -199,3 +200,36 @@ def test_a_record_with_forced_kernels_is_its_own_machine(tmp_path):
     assert labels[1].endswith("(AVX-512; AVX2 kernels forced)")
     assert [record["command"] for record in report.latest(records, "cases")] == ["avx512", "avx2"]
     assert "our CPU kernels: AVX2, forced" in report.processor_line(records[1])
+
+
+def test_the_results_lead_with_the_current_kernels_and_show_committed_code_only():
+    """The CPU results first show records of code with the kernels its processor runs now; the older records come
+    below, each saying which kernels its code lacked; a record of uncommitted or unnamed code is shown nowhere."""
+    texts, figures = report.generate()
+    page = texts[report.Path("docs/performance.md")]
+    reading = page.index("## Reading the results")
+    results = page.split("## Results on CPUs", 1)[1].split("## Results on GPUs", 1)[0]
+    older = page.split("## Older records", 1)[1].split("## Running the benchmarks", 1)[0]
+    assert reading < page.index("## Results on CPUs") < page.index("## Older records")
+    assert "with changes not committed" not in page and "commit not recorded" not in page
+    assert "Code from before" not in results and results.count("Code with the current kernels") >= 4
+    assert "commit 833d477" in older and "Code from before" in older and "commit 833d477" not in results
+    for label in figures[report.Path("docs/performance/speed.png")]:  # the headline figure names clean commits
+        assert "+dirty" not in label and "commit " in label
+
+
+def test_a_record_is_dated_by_the_kernels_its_processor_runs():
+    """Which kernels a record's code lacked depends on its processor and calls: AVX2 needs the AVX2 build, AVX-512
+    without AMX the build that fixed it there; a memory record (inference) needs no training kernel."""
+    avx2 = {"extensions": ["avx2", "fma"], "commit": "2aca68d", "figures": {"memory": {}}}
+    no_amx = {"extensions": ["avx2", "fma", "avx512f"], "commit": "cc7143c", "figures": {"cases": [{"case": "x"}]}}
+    amx = {"extensions": ["avx2", "fma", "avx512f", "amx_bf16"], "commit": "a343b26", "figures": {}}
+    assert [change.commit for change in report.lacks(avx2) if change.kernel] == ["037e116"]
+    assert report.current(no_amx, {"inference", "training"}) and not report.current(dict(no_amx, commit="833d477"))
+    assert "d115b7c" in [change.commit for change in report.lacks(dict(no_amx, commit="833d477"))]
+    assert report.current(amx, {"inference"}) and not report.current(amx, {"training"})  # before the training kernel
+    assert report.dated(amx, {"training"}).startswith("Code from before the training kernel (1b0de8c)")
+    assert not report.current(dict(amx, commit="c235d78", instruction_set={"name": "none", "built": False}))
+    assert not report.clean({"commit": "a153355+dirty"}) and not report.clean({"commit": "unknown"})
+    with pytest.raises(ValueError, match="whole history"):
+        report.has_commit("0000000", "12a0401")

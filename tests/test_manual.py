@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import copy
+import json
 import re
 import shutil
 import subprocess
@@ -19,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import report
-from benchmarks.records import RECORDS, append_record, read_records
+from benchmarks.records import RECORDS, read_records
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", REPO / "model_card.md", *sorted((REPO / "docs").rglob("*.md"))]
@@ -131,8 +133,8 @@ def test_the_manual_speaks_the_reader_s_words(path):
 
 
 def test_the_generator_shows_a_reader_s_command(tmp_path):
-    """A record made with a scratch folder at a commit with uncommitted changes: the pages show the command without
-    the folder and say the commit in words; the record keeps both."""
+    """A record made with a scratch folder: the pages show the command without the folder, the record keeps it. A
+    record of a tree with uncommitted changes is not shown on the performance page; the same at a commit is."""
     assert report.shown_command("python -m benchmarks.run --no-timing --out /tmp/s35/mem --threads 2") == (
         "python -m benchmarks.run --no-timing --threads 2"
     )
@@ -146,16 +148,17 @@ def test_the_generator_shows_a_reader_s_command(tmp_path):
     assert report.shown_commit("unknown") == "not recorded"
     records = tmp_path / "records"
     shutil.copytree(RECORDS, records)
-    figures = dict(report.latest(read_records("run", records), "cases")[-1]["figures"])
-    figures["cases"] = [dict(figures["cases"][0], ours_over_bert={"median": 0.5, "min": 0.4, "max": 0.6})]
-    command = ["python", "-m", "benchmarks.run", "--out", "/tmp/scratch/run"]
-    append_record("run", figures, command=command, folder=records, commit="abc1234+dirty")
-    texts, _ = report.generate(records)
-    page = texts[Path("docs/performance.md")]
-    assert (
-        "| 0.50 (0.40-0.60) |" in page
-        and "commit abc1234 with changes not committed: `python -m benchmarks.run`" in page
-    )
+    newest = copy.deepcopy(report.latest(read_records("run", records), "cases")[-1])
+    newest["figures"]["cases"][0]["ours_over_bert"] = {"median": 0.5, "min": 0.4, "max": 0.6}
+    newest["command"] = "python -m benchmarks.run --out /tmp/scratch/run"
+    for commit, shown in (("abc1234+dirty", False), ("c235d78", True)):  # a tree with changes is not shown
+        with (records / "run.jsonl").open("a") as out:
+            out.write(json.dumps(newest | {"commit": commit}) + "\n")
+        texts, _ = report.generate(records)
+        page = texts[Path("docs/performance.md")]
+        assert ("| 0.50 (0.40-0.60) |" in page) == shown and "abc1234" not in page
+    assert "commit c235d78: `python -m benchmarks.run`" in page
+    assert "Code with the current kernels and every later change in the list above." in page
     for path, text in texts.items():
         assert workflow_words(text) == [], path
     assert read_records("run", records)[-1]["command"].endswith("--out /tmp/scratch/run")  # the record keeps it
