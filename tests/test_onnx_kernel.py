@@ -219,17 +219,32 @@ def test_accelerated_transformers_deberta_exports_the_kernel_graph(tmp_path):
     assert_matches_transformers(reference, path)
 
 
-def test_the_kernel_graph_quantizes(tmp_path, capsys):
+def test_the_kernel_graph_quantizes(tmp_path, capsys, monkeypatch):
     """--kernel --quantize int8: the projections become int8 kernels, the attention stays our operator, no error on
-    the way (the quantizer's pre-processing runs with the operator's library loaded)."""
+    the way (the quantizer's pre-processing runs with the operator's library loaded). Without --check-texts the
+    agreement on generated inputs is reported and never refuses the graph (this untrained model flips a prediction
+    of 64 on some processors); the same figures from texts refuse it."""
     folder = save_model(tmp_path, "DisentangledForSequenceClassification", "v3")
     output = tmp_path / "int8.onnx"
     assert run_cli(str(folder), str(output), "--kernel", "--quantize", "int8") == 0
     printed = capsys.readouterr()
     assert "Traceback" not in printed.out + printed.err and "Failed" not in printed.out + printed.err
+    reported = re.findall(r"vs float32 PyTorch on batch \d+, length \d+: argmax agreement \d", printed.out)
+    assert len(reported) == 2 and "checked on generated inputs (random token ids)" in printed.out
+    assert "prediction check failed" not in printed.out and f"wrote {output}" in printed.out
     graph = onnx.load(str(output)).graph
     assert onnx_export.kernel_nodes(graph) == 2
     assert any(node.op_type in ("MatMulInteger", "DynamicQuantizeMatMul") for node in graph.node)
+    # the decision itself, on this graph: a low agreement is reported on generated inputs, refused on texts
+    model, task = onnx_export.load_model(folder)
+    real = onnx_export.compare_predictions
+    monkeypatch.setattr(onnx_export, "compare_predictions", lambda *a, **k: {**real(*a, **k), "agreement": 0.5})
+    assert onnx_export.check_predictions(model, task, output, 0.99) == 0
+    assert "argmax agreement 0.5000 is below 0.99 there" in capsys.readouterr().out
+    batches = [onnx_export.example_inputs(model.config, task, 8, 20, seed=1)]  # stand-ins for tokenized texts
+    monkeypatch.setattr(onnx_export, "text_batches", lambda model_dir, config, texts: batches)
+    assert onnx_export.check_predictions(model, task, output, 0.99, folder, ["a text"]) == 1
+    assert "prediction check failed: argmax agreement 0.5000 < 0.99" in capsys.readouterr().out
 
 
 def test_the_serving_page_kernel_recipe(tmp_path, monkeypatch):
