@@ -168,3 +168,25 @@ def test_a_diagram_too_wide_or_with_an_arrow_through_a_box_is_refused():
     with pytest.raises(ValueError, match="the arrow a -> c runs through b"):
         diagrams.svg(diagrams.Diagram("t", "t", rows, [("a", "c", "")]))
     assert "<svg" in diagrams.svg(diagrams.Diagram("t", "t", rows, [("a", "b", ""), ("b", "c", "")]))
+
+
+def test_a_diagram_whose_labels_overlap_is_refused():
+    """Two arrows that cross between the same rows put their labels on one spot (the call picture's "flex_attention"
+    and "asks" once did): refused, and so is a label drawn over a box."""
+    diagrams = load_diagrams()
+    rows = [
+        [diagrams.Box("a", "a.py"), diagrams.Box("b", "b.py")],
+        [diagrams.Box("c", "c.py"), diagrams.Box("d", "d.py")],
+    ]
+    crossing = [("a", "d", "flex_attention"), ("b", "c", "asks")]
+    with pytest.raises(ValueError, match="the labels 'flex_attention' and 'asks' overlap"):
+        diagrams.svg(diagrams.Diagram("t", "t", rows, crossing))
+    assert "<svg" in diagrams.svg(diagrams.Diagram("t", "t", rows, [("a", "c", "down"), ("b", "d", "down too")]))
+
+
+def test_the_rooms_picture_shows_the_serving_operator_s_files():
+    diagrams = load_diagrams()
+    named = diagrams.named_files(diagrams.ROOMS)
+    serving = "src/disentangled/serving/"
+    assert {serving + name for name in ("ort_attention.c", "ort_operator.py", "onnx_attention.py")} <= set(named)
+    assert "position_bias.c" in " ".join(line for _, box in diagrams.boxes(diagrams.ROOMS) for line in box.lines)

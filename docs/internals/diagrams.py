@@ -94,7 +94,7 @@ CALL = Diagram(
                         ["attn_implementation picks the backend"],
                         kind="switch",
                     ),
-                    Box("decide", "dispatch.py", ["decide(): which path serves", "a call, and why; the switches"]),
+                    Box("decide", "dispatch.py", ["decide(): which path serves a", "call, and why; the switches"]),
                 ],
                 [
                     Box("eager", "disentangled_attention.py", ["eager: the reference,", "a dense [B, H, L, L] bias"]),
@@ -130,7 +130,7 @@ CALL = Diagram(
         ("cpu", "workspace", ""),
         ("triton", "tiles", ""),
         ("triton", "check", ""),
-        ("sdpa", "decide", "asks"),
+        ("sdpa", "decide", ""),  # sdpa asks it on every call: said in the page's text, no label to crowd the row
     ],
 )
 
@@ -154,15 +154,25 @@ ROOMS = Diagram(
             [
                 [
                     Box(
-                        "serving",
-                        "serving/",
-                        ["`quantization.py`: int8", "`onnx_export.py`"],
-                        "folder",
-                    ),
-                    Box(
                         "explain",
                         "explain/",
                         ["`explanation.py`: each term", "`terms.py`, `plots.py`"],
+                        "folder",
+                    ),
+                    Box(
+                        "serving",
+                        "serving/",
+                        [
+                            "`quantization.py`: int8",
+                            "`onnx_export.py`: the graphs",
+                            "`onnx_attention.py`: the",
+                            "operator's node in a graph",
+                            "`ort_operator.py` builds",
+                            "`ort_attention.c`, the ONNX",
+                            "Runtime operator, which",
+                            "includes modeling/'s",
+                            "position_bias.c",
+                        ],
                         "folder",
                     ),
                     Box("demo", "demo/", ["`command.py`, `remote.py`,", "`data.py`"], "folder"),
@@ -182,7 +192,8 @@ ROOMS = Diagram(
                         "integrations",
                         "integrations/",
                         [
-                            "`acceleration.py`: accelerate, enable",
+                            "`acceleration.py`: accelerate,",
+                            "restore, enable",
                             "`tokenization.py`: 4.57 and 5",
                             "`sharding.py`: FSDP2 and ZeRO-3",
                         ],
@@ -414,6 +425,7 @@ def svg(diagram: Diagram) -> str:
             f'<rect x="{x:.1f}" y="{y:.1f}" width="{frame_width:.1f}" height="{frame_height:.1f}" rx="8" '
             'fill="#f4f6fb" stroke="#b8c2d8"/>'
         )
+    labels = []  # (label, its rectangle): none may overlap another, nor a box
     for start, end, label, sideways in arrow_points(diagram, placed):
         (x1, y1), (x2, y2) = start, end
         if sideways:
@@ -423,11 +435,15 @@ def svg(diagram: Diagram) -> str:
             path = f"M{x1:.1f},{y1:.1f} C{x1:.1f},{middle:.1f} {x2:.1f},{middle:.1f} {x2:.1f},{y2:.1f}"
         out.append(f'<path d="{path}" fill="none" stroke="#555" stroke-width="1.3" marker-end="url(#head)"/>')
         if label:
+            centre, baseline = (x1 + x2) / 2, (y1 + y2) / 2 + (-5 if sideways else 4)
+            half = text_width(label, LABEL_SIZE) / 2
+            labels.append((label, (centre - half, baseline - LABEL_SIZE, centre + half, baseline + 3)))
             out.append(
-                f'<text x="{(x1 + x2) / 2:.1f}" y="{(y1 + y2) / 2 + (-5 if sideways else 4):.1f}" text-anchor="middle" font-family="{SANS}" '
+                f'<text x="{centre:.1f}" y="{baseline:.1f}" text-anchor="middle" font-family="{SANS}" '
                 f'font-size="{LABEL_SIZE}" fill="#333" stroke="#ffffff" stroke-width="4" paint-order="stroke">'
                 f"{escape(label)}</text>"
             )
+    refuse_overlaps(diagram.name, labels, placed)
     for title, x, y, _, _ in frames:  # over the arrows that enter the frame
         out.append(
             f'<text x="{x + 10:.1f}" y="{y + 17:.1f}" font-family="{SANS}" font-size="{TEXT_SIZE}" '
@@ -456,6 +472,21 @@ def svg(diagram: Diagram) -> str:
             out.append(f'<text x="{x:.1f}" y="{y:.1f}" font-size="{TEXT_SIZE}" fill="#333">{"".join(runs)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def refuse_overlaps(name: str, labels: list[tuple[str, tuple]], placed: dict[str, Placed]) -> None:
+    """A ValueError where an arrow's label overlaps another label or a box: the text would be unreadable."""
+
+    def overlap(a: tuple, b: tuple) -> bool:
+        return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+    for number, (label, area) in enumerate(labels):
+        for other, other_area in labels[number + 1 :]:
+            if overlap(area, other_area):
+                raise ValueError(f"{name}: the labels {label!r} and {other!r} overlap: move a box or drop a label")
+        for box in placed.values():
+            if overlap(area, (box.x, box.y, box.x + box.width, box.y + box.height)):
+                raise ValueError(f"{name}: the label {label!r} overlaps the box {box.box.key}")
 
 
 def digest(diagram: Diagram) -> str:
