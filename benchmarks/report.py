@@ -284,7 +284,7 @@ def speed_table(record: dict) -> list[str]:
             "interleaved repeats each (lowest-highest)",
         ),
         "",
-        "| case | ours-sdpa / BERT-sdpa | transformers' DeBERTa / ours-sdpa | target | met in |",
+        "| case | ours-sdpa / BERT-sdpa | transformers' DeBERTa / ours-sdpa | target | processes meeting it |",
         "|---|---|---|---|---|",
     ]
     before = any(case.get("pytorch_path_over_bert") for case in figures["cases"])
@@ -294,7 +294,7 @@ def speed_table(record: dict) -> list[str]:
     for case in figures["cases"]:
         target = case["target"]
         per_process = [times["ours-sdpa"] / times["bert-sdpa"] for times in case["times"]]
-        met = f"{sum(value <= target for value in per_process)} of {len(per_process)} processes" if target else "-"
+        met = f"{sum(value <= target for value in per_process)} of {len(per_process)}" if target else "-"
         off = case.get("pytorch_path_over_bert")
         lines.append(
             f"| {case['case']} | {ratio(case['ours_over_bert'])} | {ratio(case['transformers_over_ours'], 'x')} "
@@ -427,9 +427,10 @@ def kinds(memories: list[dict], int8s: list[dict], name: str) -> str:
 
 
 def performance_section(runs: list[dict], memories: list[dict], int8s: list[dict], figures: list[str]) -> str:
-    """The CPU results of the current kernels: `figures` first, then per machine its speed tables, and its memory and
-    int8 tables folded; under each table the line that dates its code."""
-    lines = [f"![{FIGURES[name]}](performance/{name})\n" for name in figures]
+    """The CPU results of the current kernels: the first of `figures` (the headline), then per machine its speed tables,
+    and its memory and int8 tables folded, under each table the line that dates its code; then the other figures."""
+    pictures = [f"![{FIGURES[name]}](performance/{name})\n" for name in figures]
+    lines = pictures[:1]  # the headline figure first; the others after the tables
     machines = sorted({machine.label(record) for record in runs + memories + int8s})
     if not machines:
         lines += ["No record of the current kernels yet: `python -m benchmarks.run` writes one.", ""]
@@ -441,6 +442,7 @@ def performance_section(runs: list[dict], memories: list[dict], int8s: list[dict
         lines += speed
         if rest:
             lines += folded(f"{name}: {kinds(memories, int8s, name)}", rest)
+    lines += pictures[1:]
     return "\n".join(lines).rstrip("\n")
 
 

@@ -84,7 +84,7 @@ PROJECT_WORDS = {
     r"\bours-onnx[\w-]*|\bours-pytorch\b|\bdeberta-onnx\b|\bbert-onnx[\w-]*|\bbert-(?:dynamo|torchscript)\b": (
         "a benchmark's key for a column: say what the model or graph is"
     ),
-    r"\bat or under it\b": "the benchmark's wording: say 'met in N of M processes'",
+    r"\bat or under it\b": "the benchmark's wording: say 'processes meeting it'",
 }
 CONTRIBUTORS = {"docs/contributing.md": {r"\.ci/"}}  # the page for people who change the project names its CI
 
