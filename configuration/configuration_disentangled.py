@@ -188,6 +188,11 @@ class DisentangledConfig(PretrainedConfig):
             )
         if isinstance(position_buckets, bool) or not isinstance(position_buckets, int):
             raise ValueError(f"position_buckets must be an integer (<= 0 disables buckets), got {position_buckets!r}")
+        if position_buckets == 1:  # the log buckets divide by half of it
+            raise ValueError(
+                "position_buckets = 1 leaves no room for log buckets (they divide by position_buckets // 2): use 2 or "
+                "more (DeBERTa-v3: 256), or <= 0 for clipped distances"
+            )
         if isinstance(max_relative_positions, bool) or not isinstance(max_relative_positions, int):
             raise ValueError(
                 f"max_relative_positions must be an integer (< 1 means max_position_embeddings), got "

@@ -72,6 +72,7 @@ class _BiasArgs(ctypes.Structure):
         ("first_key", ctypes.c_int64),
         ("keys", ctypes.c_int64),
         ("length", ctypes.c_int64),
+        ("width", ctypes.c_int64),
     ]
 
 
@@ -340,6 +341,15 @@ def _build(flags: tuple[str, ...] | None = None, name: str | None = None) -> cty
     loaded.workspace_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
     loaded.workspace_bytes.restype = ctypes.c_int64
     loaded.instruction_set.restype = ctypes.c_char_p
+    loaded.column_fault.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.POINTER(ctypes.c_int64),
+    ]
+    loaded.mirror_fault.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+    loaded.column_rule.restype = ctypes.c_char_p
     built = loaded.instruction_set().decode()
     if built != name:
         _state["why"] = f"the compiler built {SOURCE.name} for {built}, not {name} (flags {' '.join(flags)})"
@@ -404,8 +414,21 @@ def position_bias(
             raise ValueError("position_bias: tables must have the output's dtype and a contiguous last dimension")
     if not out.is_contiguous() or out.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError("position_bias: the output must be contiguous float32 or bfloat16")
-    args = _bias_args(out, c2p, p2c, column, c2p_column, keep, first_row, first_key, heads, rows, keys)
-    if library.position_bias(ctypes.byref(args), out.element_size(), groups * heads, torch.get_num_threads()):
+    _check_columns("position_bias", column, c2p_column)
+    for table, lines, label in ((c2p, rows, "c2p's rows"), (p2c, keys, "p2c's keys")):
+        if table is not None and (table.dim() != 4 or table.shape[:2] != (groups, heads) or table.shape[2] < lines):
+            raise ValueError(f"position_bias: {label} must cover the output's ([g, H, {lines}, W] at least)")
+        if table is not None and not _has_spare(table, 15):
+            raise ValueError(
+                "position_bias: the tables need 15 spare elements after them (the kernel loads 16 columns)"
+            )
+    _check_keep("position_bias", keep, groups, keys)
+    width = min([table.shape[-1] for table in (c2p, p2c) if table is not None], default=0)
+    args = _bias_args(out, c2p, p2c, column, c2p_column, keep, first_row, first_key, heads, rows, keys, width)
+    failed = library.position_bias(ctypes.byref(args), out.element_size(), groups * heads, torch.get_num_threads())
+    if failed == COLUMNS_REFUSED:
+        raise ValueError(_refusal("position_bias", args, column, c2p_column, width, tiled=True))
+    if failed:
         raise ValueError("position_bias: neither table given")
     return out
 
@@ -419,7 +442,7 @@ def _table_fields(name: str, table: Tensor | None, strides: tuple[str, str, str]
     return fields
 
 
-def _bias_args(out, c2p, p2c, column, c2p_column, keep, first_row, first_key, heads, rows, keys) -> _BiasArgs:
+def _bias_args(out, c2p, p2c, column, c2p_column, keep, first_row, first_key, heads, rows, keys, width) -> _BiasArgs:
     return _BiasArgs(
         **_table_fields("c2p", c2p, ("plane", "head", "row")),
         **_table_fields("p2c", p2c, ("plane", "head", "row")),
@@ -434,6 +457,54 @@ def _bias_args(out, c2p, p2c, column, c2p_column, keep, first_row, first_key, he
         first_key=first_key,
         keys=keys,
         length=(column.shape[0] + 1) // 2,
+        width=width,
+    )
+
+
+# The kernels' contract (`position_bias.c`, above position_bias): the C refuses what breaks its rules 1 and 2 with
+# this code, and `_refusal` names the rule; the wrappers here check what only they can see (dtypes, shapes, memory).
+COLUMNS_REFUSED = 4
+
+
+def _has_spare(table: Tensor, spare: int) -> bool:
+    """Whether `table`'s storage holds `spare` elements past its last element."""
+    last = table.storage_offset() + sum((size - 1) * stride for size, stride in zip(table.shape, table.stride()))
+    return table.untyped_storage().nbytes() >= (last + 1 + spare) * table.element_size()
+
+
+def _check_columns(name: str, *columns: Tensor) -> None:
+    for column in columns:
+        if column.dtype != torch.int32 or not column.is_contiguous() or column.device.type != "cpu":
+            raise ValueError(f"{name}: the column vectors are contiguous int32 CPU tensors, got {column.dtype}")
+
+
+def _check_keep(name: str, keep: Tensor | None, groups: int, keys: int) -> None:
+    if keep is not None and (
+        keep.dtype != torch.uint8
+        or keep.dim() != 2
+        or keep.shape[0] not in (1, groups)
+        or keep.shape[1] < keys
+        or keep.stride(1) != 1
+    ):
+        raise ValueError(f"{name}: keep must be uint8 [g | 1, {keys}] with a contiguous last dimension, or None")
+
+
+def _refusal(name: str, args, column: Tensor, c2p_column: Tensor | None, width: int, tiled: bool) -> str:
+    """The kernel's refusal in words: the rule the columns break and where, or the extents at fault."""
+    library, at = _library(), ctypes.c_int64(-1)
+    count = column.numel() if c2p_column is not None else args.rows + args.keys - 1
+    for label, vector in (("column", column), ("c2p_column", c2p_column)):
+        if vector is None:
+            continue
+        fault = library.column_fault(vector.data_ptr(), count, width, int(tiled), ctypes.byref(at))
+        if fault == 0 and label == "c2p_column":
+            fault = library.mirror_fault(column.data_ptr(), vector.data_ptr(), count, ctypes.byref(at))
+        if fault:
+            rule = library.column_rule(fault).decode()
+            return f"{name}: {label}[{at.value}] = {int(vector[at.value])} {rule} (W = {width})"
+    return (
+        f"{name}: the extents break the kernel's contract: heads, W and the length must be at least 1 (W a multiple "
+        "of 16 for attend) and the rows and keys must lie inside the length"
     )
 
 
@@ -523,6 +594,8 @@ def _hankel(name, scores: Tensor, c2p, p2c, column: Tensor, tiled: bool, add_p2c
     )
     if failed == 2:
         raise MemoryError(f"{name}: no memory for a band of 16 table rows")
+    if failed == COLUMNS_REFUSED:
+        raise ValueError(_refusal(name, args, column, None, 2**31 - 1 if band else args.width, tiled))
     if failed == 3:
         raise ValueError(f"{name}: a banded table's tile reads columns outside its band (see native.Band)")
     if failed:
@@ -603,6 +676,14 @@ def attend(
     if not tables or any(t.dtype != packed or not t.is_contiguous() or t.shape[0] != heads for t in tables):
         raise ValueError("attend: give Kr or Qr (or both) in as_key_tiles layout of the tensors' dtype, one per head")
     width, count = tables[0].shape[1] * 16, keys.stop - keys.start
+    if any(t.shape != tables[0].shape for t in tables) or width < 16:
+        raise ValueError("attend: Kr and Qr must have one shape, with 16 columns at least")
+    if key.shape != query.shape or value.shape != query.shape or out.shape != (groups, length, heads, dim):
+        raise ValueError("attend: key and value must have the query's shape [g, H, L, 64], and out [g, L, H, 64]")
+    if not 0 <= keys.start <= keys.stop <= length:
+        raise ValueError(f"attend: the keys {keys} must lie inside the {length} tokens")
+    _check_columns("attend", column, c2p_column)
+    _check_keep("attend", keep, groups, count)
     if workspace.numel() < workspace_bytes(count, width):
         raise ValueError("attend: the workspace is too small (see workspace_bytes)")
     args = _AttendArgs(
@@ -630,7 +711,10 @@ def attend(
     args.out_sequence, args.out_row, args.out_head = out.stride(0), out.stride(1), out.stride(2)
     threads, planes = torch.get_num_threads(), groups * heads
     chunks = -(-threads // planes) if planes < threads else 1  # each plane's rows in parts where planes are few
-    if library.attend(ctypes.byref(args), query.element_size(), planes, chunks, threads):
+    failed = library.attend(ctypes.byref(args), query.element_size(), planes, chunks, threads)
+    if failed == COLUMNS_REFUSED:
+        raise ValueError(_refusal("attend", args, column, c2p_column, width, tiled=True))
+    if failed:
         raise ValueError("attend: not built for this dtype here (bfloat16 needs AMX)")
     return out
 
@@ -643,14 +727,19 @@ def workspace_bytes(keys: int, width: int) -> int:
 def kernel_columns(positions) -> tuple[Tensor, Tensor] | None:
     """The int32 column vectors of the bias kernels (`position_bias`, `attend`; `RelativePositions` `positions`), made
     once per forward: the column of each distance d at d + L - 1, and c2p's column (the table against Kr in reverse
-    row order) of i - j at L - 1 - i + j. None where 16 consecutive distances read more than 16 consecutive columns,
-    which the kernel's tile loads need: true of clipped distances and of every released bucket setting (the log
-    buckets step by at most one column per unit of distance there), checked for any other."""
+    row order) of i - j at L - 1 - i + j. None where the kernel's tiles cannot take them (`tiles_hold`)."""
     return per_forward(positions, "kernel columns", _kernel_columns)
 
 
 def _kernel_columns(positions) -> tuple[Tensor, Tensor] | None:
-    column = positions.column
-    if column.numel() >= 16 and bool((column[15:] - column[:-15]).max() > 15):
+    if not tiles_hold(positions.column):
         return None
     return int32_column(positions), (positions.width - 1) - int32_column(positions).flip(0)
+
+
+def tiles_hold(column: Tensor) -> bool:
+    """Whether the kernel's tiles can read these columns (rule 1 of `position_bias.c`'s contract): one distance more
+    reads the same column or the next, so that 16 consecutive distances read 16 consecutive columns or fewer. True of
+    clipped distances and of every released bucket setting (the log buckets compress distances there); not where the
+    buckets outnumber the distances they cover (8 buckets reaching 7 positions step by two columns)."""
+    return column.numel() < 2 or bool((column[1:] - column[:-1]).max() <= 1)

@@ -67,7 +67,78 @@ typedef struct {
     int64_t keep_plane;        /* 0 when one mask serves every sequence */
     void *out;                 /* [sequences, heads, rows, keys], contiguous */
     int64_t heads, first_row, rows, first_key, keys, length;
+    int64_t width;             /* W, the columns of a table row (c2p's and p2c's alike) */
 } BiasArgs;
+
+/* ---- What every entry below assumes of its arguments: the contract, checked by each entry before it reads ----
+
+   Each exported function (position_bias, hankel_bias, hankel_bias_backward, attend, attend_part) refuses, with
+   COLUMNS_REFUSED, arguments that break the first two rules; the callers (native.py's wrappers, which build the
+   structs from PyTorch tensors, and ort_attention.c, which checks an ONNX graph's inputs and names the one at fault)
+   own the third.
+   1. Column vectors. Each of its `count` entries is a table column in [0, W); they ascend (the column never falls as
+      the distance grows: every bucketing does so); where whole tiles run with vectors, each entry is at most one
+      column past the one before it, so that 16 consecutive entries lie within 16 consecutive columns and, where they
+      span all 16, are those 16 in order (a tile's one load of 16 columns, `columns16`, used as loaded then).
+      c2p_column, where there is one, ascends as well and is column's mirror: c2p_column[m] + column[count - 1 - m] is
+      one number for every m (so that a tile beyond the buckets' reach reads one column of each table).
+   2. Extents. length >= 1, W >= 1, heads >= 1; the rows [first_row, first_row + rows) and the keys [first_key,
+      first_key + keys) lie inside [0, length).
+   3. Memory. Pointers and strides describe buffers that hold what they name, tables with 15 spare elements after
+      them where position_bias reads 16 columns at a time; attend's workspace has workspace_bytes(keys, W) per
+      thread.
+   A second line behind the first: the table products clamp the columns they make to [0, W) (columns_read), so that
+   a caller's mistake reads less and writes nothing outside the tables. */
+
+#define COLUMNS_REFUSED 4
+enum { COLUMN_HOLDS, COLUMN_OUTSIDE, COLUMN_FALLS, COLUMN_STEPS_OVER_ONE, COLUMN_NOT_MIRRORED };
+
+/* Rule 1 for one vector of `count` entries: COLUMN_HOLDS, or the first rule broken and, in *at, the entry at fault. */
+int column_fault(const int32_t *column, int64_t count, int64_t width, int64_t tiled, int64_t *at) {
+    for (int64_t m = 0; m < count; m++) {
+        *at = m;
+        if (column[m] < 0 || column[m] >= width) return COLUMN_OUTSIDE;
+        if (m > 0 && column[m] < column[m - 1]) return COLUMN_FALLS;
+        if (tiled && m > 0 && column[m] - column[m - 1] > 1) return COLUMN_STEPS_OVER_ONE;
+    }
+    *at = -1;
+    return COLUMN_HOLDS;
+}
+
+/* Whether c2p_column is column's mirror (rule 1): COLUMN_HOLDS, or COLUMN_NOT_MIRRORED with *at the first m where
+   the sum differs from the first. */
+int mirror_fault(const int32_t *column, const int32_t *c2p_column, int64_t count, int64_t *at) {
+    for (int64_t m = 0; m < count; m++) {
+        *at = m;
+        if ((int64_t)c2p_column[m] + column[count - 1 - m] != (int64_t)c2p_column[0] + column[count - 1])
+            return COLUMN_NOT_MIRRORED;
+    }
+    *at = -1;
+    return COLUMN_HOLDS;
+}
+
+/* What each fault breaks, in words (for the errors of native.py and ort_attention.c). */
+const char *column_rule(int fault) {
+    switch (fault) {
+    case COLUMN_HOLDS: return "holds";
+    case COLUMN_OUTSIDE: return "lies outside the table's columns [0, W)";
+    case COLUMN_FALLS: return "is below the entry before it (the columns must ascend with the distance)";
+    case COLUMN_STEPS_OVER_ONE: return "is more than one column past the entry before it (for the tiles, one distance "
+                                       "more reads the same column or the next)";
+    default: return "breaks the mirror rule (c2p_column[m] + column[2L - 2 - m] must be one number for every m)";
+    }
+}
+
+/* Rules 1 and 2 for the [2L - 1] columns of position_bias and attend: 0 if they hold. */
+static int columns_refused(const int32_t *column, const int32_t *c2p_column, int64_t length, int64_t width,
+                           int64_t first_row, int64_t rows, int64_t first_key, int64_t keys) {
+    int64_t at;
+    if (length < 1 || width < 1 || first_row < 0 || rows < 0 || first_row > length - rows || first_key < 0 ||
+        keys < 0 || first_key > length - keys || length > INT32_MAX)
+        return 1;
+    return column_fault(column, 2 * length - 1, width, 1, &at) || column_fault(c2p_column, 2 * length - 1, width, 1, &at) ||
+           mirror_fault(column, c2p_column, 2 * length - 1, &at);
+}
 
 #define LOWEST_F32 (-3.40282346638528859812e+38f)
 #define LOWEST_BF16 ((uint16_t)0xff7f)
@@ -236,10 +307,13 @@ static inline __attribute__((always_inline)) void bias_plane(const BiasArgs *arg
 }
 
 /* Every (sequence, head) plane, on `threads` OpenMP threads; element_size 2 (bfloat16) or 4 (float32). Returns 1
-   for any other size or with neither table. */
+   for any other size or with neither table, COLUMNS_REFUSED where the contract's rules 1 and 2 do not hold. */
 int position_bias(const BiasArgs *args, int64_t element_size, int64_t planes, int threads) {
     const int c2p = args->c2p != NULL, p2c = args->p2c != NULL;
     if ((element_size != 2 && element_size != 4) || !(c2p || p2c)) return 1;
+    if (args->heads < 1 || columns_refused(args->column, args->c2p_column, args->length, args->width, args->first_row,
+                                           args->rows, args->first_key, args->keys))
+        return COLUMNS_REFUSED;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t plane = 0; plane < planes; plane++) {
         const int64_t sequence = plane / args->heads, head = plane % args->heads;
@@ -391,21 +465,29 @@ static int band_holds(const HankelArgs *x, const int32_t *first, int64_t lines, 
     return 1;
 }
 
-/* 0 if the tables' layout is one the kernels take: unbanded, or banded with every read inside the bands. */
+/* 0 if the arguments keep the contract (rules 1 and 2 over the rows + keys - 1 columns read; banded tables hold their
+   own columns, so the range is the band's, checked by band_holds) and the tables' layout is one the kernels take:
+   unbanded, or banded with every read inside the bands. */
 static int hankel_refused(const HankelArgs *x) {
+    int64_t at;
+    if (x->heads < 1 || x->rows < 0 || x->keys < 0 || x->width < 1 ||
+        column_fault(x->column, x->rows + x->keys - 1, x->band_lines ? INT32_MAX : x->width, x->tiled, &at))
+        return COLUMNS_REFUSED;
     if (!x->band_lines) return 0;
-    if (x->band_lines % 16) return 1;
-    if (x->t && !band_holds(x, x->t_first, x->rows, x->keys)) return 1;
-    if (x->u && !band_holds(x, x->u_first, x->keys, x->rows)) return 1;
+    if (x->band_lines < 0 || x->band_lines % 16) return 3;
+    if (x->t && !band_holds(x, x->t_first, x->rows, x->keys)) return 3;
+    if (x->u && !band_holds(x, x->u_first, x->keys, x->rows)) return 3;
     return 0;
 }
 
 /* out = T + U along the Hankel columns, every plane on `threads` OpenMP threads; element_size 2 (bfloat16) or 4
-   (float32). Returns 1 for any other size or with neither table, 3 for bands that do not hold what is read. */
+   (float32). Returns 1 for any other size or with neither table, 3 for bands that do not hold what is read,
+   COLUMNS_REFUSED where the contract does not hold. */
 int hankel_bias(const HankelArgs *x, int64_t element_size, int64_t planes, int threads) {
     const int t = x->t != NULL, u = x->u != NULL;
     if ((element_size != 2 && element_size != 4) || !(t || u)) return 1;
-    if (hankel_refused(x)) return 3;
+    const int refused = hankel_refused(x);
+    if (refused) return refused;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t plane = 0; plane < planes; plane++) {
         if (element_size == 2 && t && u) hankel_plane(x, plane, 1, 1, 1);
@@ -484,7 +566,8 @@ static inline __attribute__((always_inline)) void hankel_plane_backward(const Ha
    hankel_bias does. */
 int hankel_bias_backward(const HankelArgs *x, int64_t element_size, int64_t planes, int threads) {
     if ((element_size != 2 && element_size != 4) || !(x->t || x->u)) return 1;
-    if (hankel_refused(x)) return 3;
+    const int refused = hankel_refused(x);
+    if (refused) return refused;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -601,13 +684,17 @@ static inline void add_position_terms(const Terms *s, float *tile, int64_t b0, i
 
 /* The columns [first, last) of a table, in whole tiles of 16, that a block reads: `columns` by m ascending (the
    column never decreases with m), m from m_low to m_high clamped to the 2L - 1 distances. At short inputs a block
-   reads fewer columns than the table has (16 rows against 128 keys: 143 of 255), and only those are made. */
+   reads fewer columns than the table has (16 rows against 128 keys: 143 of 255), and only those are made. The
+   contract's second line: [first, last) is clamped to [0, W), so that no column vector makes a product write
+   outside the table. */
 static inline void columns_read(const int32_t *columns, int64_t m_low, int64_t m_high, int64_t length, int64_t width,
                                 int64_t *first, int64_t *last) {
     m_low = m_low < 0 ? 0 : m_low;
     m_high = m_high > 2 * length - 2 ? 2 * length - 2 : m_high;
-    *first = columns[m_low] / 16 * 16;
-    *last = (columns[m_high] + 16) / 16 * 16 < width ? (columns[m_high] + 16) / 16 * 16 : width;
+    const int64_t low = columns[m_low] < 0 ? 0 : columns[m_low] / 16 * 16, high = (int64_t)columns[m_high] + 16;
+    *first = low < width ? low : width;
+    *last = high / 16 * 16 < width ? high / 16 * 16 : width;
+    *last = *last < *first ? *first : *last;
 }
 
 /* T's columns that rows a0 .. a0 + 15 read (c2p_column at m = L - 1 - i + j) over the keys [first_key, first_key +
@@ -697,7 +784,8 @@ static void finish_group(const Group *group, const AttendArgs *x, int64_t sequen
     for (int64_t g = 0; g < group->count; g++) {
         const int64_t at = sequence * x->out_sequence + head * x->out_head + (group->first_row + g * QUERY_ROWS) * x->out_row;
         for (int64_t r = 0; r < group->rows[g]; r++) {
-            const f32x16 inverse = v_set1(group->total[g][r] > 0.0f ? 1.0f / group->total[g][r] : 0.0f);
+            /* 0 for a row with no key; a NaN sum (a NaN score) stays NaN, as PyTorch's softmax */
+            const f32x16 inverse = v_set1(group->total[g][r] != 0.0f ? 1.0f / group->total[g][r] : 0.0f);
             for (int c = 0; c < DIM; c += 16) {
                 const f32x16 value = v_mul(v_load(group->context[g] + r * DIM + c), inverse);
                 if (bf16) b_store(x->out + at + r * x->out_row + c, v_round_bf16(value));
@@ -1077,13 +1165,18 @@ static void attend_items(const AttendArgs *x, const int bf16, int64_t chunks, in
 #endif
 
 /* Whether attend() and attend_part() can run these arguments: 0 if so, 1 where not (bfloat16 without an AMX build,
-   float32 without a vector set, or neither table). */
+   float32 without a vector set, or neither table), COLUMNS_REFUSED where the contract's rules 1 and 2 do not hold
+   (W a multiple of 16 besides, the tables' tiles). */
 static int attend_refused(const AttendArgs *x, int64_t element_size) {
 #ifdef HAVE_VECTORS
 #ifndef HAVE_AMX
     if (element_size == 2) return 1;
 #endif
-    return (element_size != 2 && element_size != 4) || (x->pos_key == NULL && x->pos_query == NULL);
+    if ((element_size != 2 && element_size != 4) || (x->pos_key == NULL && x->pos_query == NULL)) return 1;
+    if (x->heads < 1 || x->width % 16 ||
+        columns_refused(x->column, x->c2p_column, x->length, x->width, 0, x->length, x->first_key, x->keys))
+        return COLUMNS_REFUSED;
+    return 0;
 #else
     (void)x, (void)element_size;
     return 1;
@@ -1095,7 +1188,8 @@ static int attend_refused(const AttendArgs *x, int64_t element_size) {
    the items (as OpenMP's static schedule would), in its own part of x->workspace. Returns 1 where it cannot run
    (attend_refused). */
 int attend(const AttendArgs *x, int64_t element_size, int64_t planes, int64_t chunks, int threads) {
-    if (attend_refused(x, element_size)) return 1;
+    const int refused = attend_refused(x, element_size);
+    if (refused) return refused;
 #ifdef HAVE_VECTORS
     const int bf16 = element_size == 2;
     const int64_t bytes = workspace_bytes(x->keys, x->width), items = planes * chunks;
@@ -1128,7 +1222,8 @@ int attend(const AttendArgs *x, int64_t element_size, int64_t planes, int64_t ch
    (workspace_bytes(keys, width)), for a caller with threads of its own (ONNX Runtime's, ort_attention.c). Returns 1
    where attend() would. */
 int attend_part(const AttendArgs *x, int64_t chunks, int64_t begin, int64_t end, void *workspace) {
-    if (attend_refused(x, 4)) return 1;
+    const int refused = attend_refused(x, 4);
+    if (refused) return refused;
 #ifdef HAVE_VECTORS
     attend_items(x, 0, chunks, begin, end, (char *)workspace);
 #else

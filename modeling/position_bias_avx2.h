@@ -142,10 +142,10 @@ static inline mask16 m_zero_bytes(const uint8_t *flags) {
 }
 
 /* position_bias_avx512.h's v_exp, 8 lanes: 2^n from n's bits in the exponent field (n >= -126 there, a normal
-   number), and 0 below -87. */
+   number), 0 below -87, NaN for NaN. */
 static inline __m256 exp8(__m256 x) {
-    const __m256 normal = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 normal = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NLT_UQ);
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);

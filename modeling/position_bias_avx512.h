@@ -84,10 +84,11 @@ static inline mask16 m_zero_bytes(const uint8_t *flags) {
 
 /* e^x in float32 for x <= 0: 2^n e^r with n = round(x / ln 2), r = x - n ln 2 in two parts, e^r by its Taylor
    polynomial to r^6 (|r| <= ln 2 / 2: relative error under 2e-7). Below -87 (-inf included) it is exactly 0: the
-   result would be subnormal there, and arithmetic on subnormals takes the processor's slow path. */
+   result would be subnormal there, and arithmetic on subnormals takes the processor's slow path. NaN stays NaN (the
+   compare is unordered, and max returns its second operand where one is NaN), so that a NaN score reaches the sum. */
 static inline f32x16 v_exp(f32x16 x) {
-    const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ);
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);

@@ -160,9 +160,10 @@ static inline mask16 m_zero_bytes(const uint8_t *flags) {
     return (mask16)(vaddv_u8(vget_low_u8(bits)) | (vaddv_u8(vget_high_u8(bits)) << 8));
 }
 
-/* position_bias_avx512.h's v_exp, 4 lanes: 2^n from n's bits in the exponent field, and 0 below -87. */
+/* position_bias_avx512.h's v_exp, 4 lanes: 2^n from n's bits in the exponent field, 0 below -87, NaN for NaN (the
+   mask is "not below -87", and vmaxq_f32 returns NaN where either is). */
 static inline float32x4_t exp4(float32x4_t x) {
-    const uint32x4_t normal = vcgeq_f32(x, vdupq_n_f32(-87.0f));
+    const uint32x4_t normal = vmvnq_u32(vcltq_f32(x, vdupq_n_f32(-87.0f)));
     x = vmaxq_f32(x, vdupq_n_f32(-87.0f));
     const float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504088896341f)));
     float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(0.693145751953125f));

@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from ..modeling import native, sdpa_attention
-from ..modeling.disentangled_attention import PositionScores
+from ..modeling.disentangled_attention import PositionScores, relative_index_by_distance
 from ..modeling.workspace import int32_column, per_forward
 
 GRAPHS = ("fused", "kernel", "portable")
@@ -163,6 +163,21 @@ def kernel_columns(positions) -> tuple[Tensor, Tensor]:
     released bucket setting, and the export's parity check runs after)."""
     column = int32_column(positions)
     return column, per_forward(positions, "c2p column", lambda positions: (positions.width - 1) - column.flip(0))
+
+
+def refuse_untileable(config) -> None:
+    """A ValueError where the kernel graph could not be right for `config` (its own or transformers' DeBERTa's): the
+    operator refuses columns whose tiles it cannot read (`native.tiles_hold`), and `kernel_columns` writes them without
+    that check, so the export refuses the configuration first, checking every column its buckets reach."""
+    buckets = config.position_buckets
+    reach = config.max_relative_positions if config.max_relative_positions > 0 else config.max_position_embeddings
+    column = relative_index_by_distance(reach + 17, buckets if buckets > 0 else reach, buckets, reach, "cpu")
+    if not native.tiles_hold(column):
+        raise ValueError(
+            f"--kernel cannot serve this configuration: its buckets (position_buckets={buckets} reaching {reach} "
+            "positions) step by more than one table column per unit of distance, which the operator's tiles cannot "
+            "read. Export without --kernel (the default graph, ONNX Runtime's own attention)"
+        )
 
 
 def kernel_attention(

@@ -11,7 +11,13 @@
      7 keep                     uint8 [B, L], 1 = a key to attend to; optional (every key)
    Attributes: scale (float), heads (int).
    Output: [B, L, H * 64]. A sequence with no key to attend to attends uniformly to every key, as PyTorch's eager
-   attention does under a mask of the dtype's minimum.
+   attention does under a mask of the dtype's minimum; L = 0 is an empty output; a NaN reaches the output as in
+   PyTorch's attention.
+
+   The graph is not trusted: before any kernel work, every shape is checked, and every value the kernel indexes with
+   against position_bias.c's contract (the columns inside [0, W), ascending, 16 consecutive distances within 16
+   columns, c2p_column column's mirror). A violation is an INVALID_ARGUMENT error naming the input, the entry and
+   the rule (SECURITY.md says how this is tested).
 
    Built by ort_operator.py with the instruction set's flags (native.py), this file and position_bias.c in one unit.
    ONNX Runtime's C API is reached through the OrtApiBase it hands RegisterCustomOps: a table of function pointers
@@ -27,6 +33,7 @@
 
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdio.h>
 
 typedef struct OrtStatus OrtStatus;
 typedef void OrtValue, OrtKernelContext, OrtKernelInfo, OrtShapeInfo, OrtDomain, OrtSessionOptions;
@@ -116,8 +123,8 @@ static OrtStatus *create_kernel(const CustomOp *op, const ApiEntry *given, const
     if (status == NULL)
         status = CALL(API_KERNEL_INFO_GET_ATTRIBUTE_INT64, OrtStatus * (*)(const void *, const char *, int64_t *))(
             info, "heads", &kernel->heads);
-    if (status == NULL && kernel->heads < 1)
-        status = fail(ERROR_INVALID_ARGUMENT, "disentangled::Attention: the heads attribute must be at least 1");
+    if (status == NULL && (kernel->heads < 1 || kernel->heads > INT32_MAX / DIM))
+        status = fail(ERROR_INVALID_ARGUMENT, "disentangled::Attention: the heads attribute must lie in [1, 2^31 / 64)");
     if (status != NULL) {
         free(kernel);
         return status;
@@ -195,7 +202,7 @@ static Slot *claim(int64_t bytes) {
 typedef struct {
     AttendArgs args;
     int64_t chunks, bytes;
-    atomic_int failed; /* 1: no vector set; 2: no memory for a workspace */
+    atomic_int failed; /* 1: no vector set; 2: no memory for a workspace; 3: the kernel's contract refused */
 } Call;
 
 static void run_item(void *data, size_t item) {
@@ -205,8 +212,8 @@ static void run_item(void *data, size_t item) {
         atomic_store(&call->failed, 2);
         return;
     }
-    if (attend_part(&call->args, call->chunks, (int64_t)item, (int64_t)item + 1, slot->buffer))
-        atomic_store(&call->failed, 1);
+    const int refused = attend_part(&call->args, call->chunks, (int64_t)item, (int64_t)item + 1, slot->buffer);
+    if (refused) atomic_store(&call->failed, refused == COLUMNS_REFUSED ? 3 : 1);
     atomic_store(&slot->busy, 0);
 }
 
@@ -217,11 +224,33 @@ static int64_t usable_cpus(void) {
     return 1;
 }
 
+/* position_bias.c's contract (rule 1) for the graph's two column vectors, before any kernel work: they come from
+   the ONNX file, which this operator trusts no more than any other input. An error names the input, the entry, its
+   value and the rule it breaks. */
+static OrtStatus *columns_refused_here(const int32_t *column, const int32_t *c2p_column, int64_t count, int64_t width) {
+    const int32_t *vectors[2] = {column, c2p_column};
+    static const char *names[2] = {"column (input 5)", "c2p_column (input 6)"};
+    int64_t at = -1;
+    for (int v = 0; v < 2; v++) {
+        int fault = column_fault(vectors[v], count, width, 1, &at);
+        if (v == 1 && fault == COLUMN_HOLDS) fault = mirror_fault(column, c2p_column, count, &at);
+        if (fault == COLUMN_HOLDS) continue;
+        char message[512];
+        snprintf(message, sizeof(message),
+                 "disentangled::Attention: %s, entry %lld (value %d, W = %lld): %s; export the graph again with "
+                 "disentangled export-onnx --kernel, which writes them from the model's buckets",
+                 names[v], (long long)at, vectors[v][at], (long long)width, column_rule(fault));
+        return fail(ERROR_INVALID_ARGUMENT, message);
+    }
+    return NULL;
+}
+
 static OrtStatus *compute(void *state, OrtKernelContext *context) {
     const Kernel *kernel = state;
     Input in[8];
+    OrtStatus *status = NULL;
     for (size_t i = 0; i < 8; i++) {
-        OrtStatus *status = read_input(context, i, &in[i]);
+        status = read_input(context, i, &in[i]);
         if (status != NULL) return status;
     }
     const Input *query = &in[0], *key = &in[1], *value = &in[2], *pos_key = &in[3], *pos_query = &in[4];
@@ -236,22 +265,28 @@ static OrtStatus *compute(void *state, OrtKernelContext *context) {
     const Input *table = pos_key->data ? pos_key : pos_query;
     if (table->data == NULL)
         return fail(ERROR_INVALID_ARGUMENT, "disentangled::Attention: give pos_key or pos_query (or both)");
-    const int64_t width = table->shape[1] * 16;
     for (int i = 3; i < 5; i++)
-        if (in[i].data && (in[i].rank != 4 || in[i].shape[0] != heads || in[i].shape[1] * 16 != width ||
-                           in[i].shape[2] != DIM || in[i].shape[3] != 16))
+        if (in[i].data && (in[i].rank != 4 || in[i].shape[0] != heads || in[i].shape[1] != table->shape[1] ||
+                           in[i].shape[1] < 1 || in[i].shape[2] != DIM || in[i].shape[3] != 16))
             return fail(ERROR_INVALID_ARGUMENT, "disentangled::Attention: pos_key and pos_query must be "
-                                                "[heads, W / 16, 64, 16] (native.as_key_tiles)");
+                                                "[heads, W / 16, 64, 16] with W >= 16 (native.as_key_tiles)");
+    const int64_t width = table->shape[1] * 16;
+    if (length > INT32_MAX / 2)
+        return fail(ERROR_INVALID_ARGUMENT, "disentangled::Attention: at most 2^30 tokens (the int32 columns)");
+    const int64_t count = length > 0 ? 2 * length - 1 : 0;
     for (int i = 5; i < 7; i++)
-        if (in[i].rank != 1 || in[i].shape[0] != 2 * length - 1)
-            return fail(ERROR_INVALID_ARGUMENT, "disentangled::Attention: column and c2p_column must be [2L - 1]");
+        if (in[i].rank != 1 || in[i].shape[0] != count)
+            return fail(ERROR_INVALID_ARGUMENT, "disentangled::Attention: column and c2p_column must be [2L - 1] "
+                                                "([0] when L is 0)");
     if (keep->data && (keep->rank != 2 || keep->shape[0] != batch || keep->shape[1] != length))
         return fail(ERROR_INVALID_ARGUMENT, "disentangled::Attention: keep must be [B, L]");
+    status = columns_refused_here(in[5].data, in[6].data, count, width);
+    if (status != NULL) return status;
 
     int64_t out_shape[3] = {batch, length, hidden};
     OrtValue *output = NULL;
     void *out = NULL;
-    OrtStatus *status = CALL(API_KERNEL_CONTEXT_GET_OUTPUT,
+    status = CALL(API_KERNEL_CONTEXT_GET_OUTPUT,
                              OrtStatus * (*)(void *, size_t, const int64_t *, size_t, OrtValue **))(context, 0, out_shape,
                                                                                                    3, &output);
     if (status == NULL) status = CALL(API_GET_TENSOR_MUTABLE_DATA, OrtStatus * (*)(OrtValue *, void **))(output, &out);
@@ -296,6 +331,9 @@ static OrtStatus *compute(void *state, OrtKernelContext *context) {
         return fail(ERROR_FAIL, "disentangled::Attention: out of memory for the workspace");
     if (atomic_load(&call.failed) == 1)
         return fail(ERROR_FAIL, "disentangled::Attention: the kernel was built without a vector set");
+    if (atomic_load(&call.failed) == 3)
+        return fail(ERROR_INVALID_ARGUMENT, "disentangled::Attention: the kernel refused its arguments (position_bias.c's "
+                                            "contract)");
 
     /* a sequence with no key kept: every row the mean of the values, as eager attention under the dtype's minimum */
     for (int64_t b = 0; keep->data && b < batch; b++) {
