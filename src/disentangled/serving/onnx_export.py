@@ -179,6 +179,8 @@ def export(
         if task == "multiple-choice"
         else {0: batch, 1: sequence}
     )
+    if kernel and fused_layers(model):
+        onnx_attention.refuse_untileable(config)
     # Traced sizes all differ (2, 3, 11), so that no two axes are taken for the same symbol.
     inputs = example_inputs(config, task, batch=2, length=min(11, max_length or 11), choices=3)
     training = model.training
