@@ -679,7 +679,7 @@ def figure_data(runs: list[dict], memories: list[dict], int8s: list[dict]) -> di
             for r in runs
         },
         "memory.png": {
-            f"{column_label(r)}, 1 layer, batch 1, forward, {r['time'][:10]}": {
+            f"{column_label(r)}, 1 layer, batch 1, forward,\n{r['time'][:10]}, commit {r['commit']}": {
                 model: {
                     "points": sorted(
                         (int(length), p["peak_gib"] - p["baseline_gib"]) for length, p in points.items() if p["ok"]
@@ -692,7 +692,7 @@ def figure_data(runs: list[dict], memories: list[dict], int8s: list[dict]) -> di
             for r in comparisons
         },
         "int8.png": {
-            f"{machine.label(r)}\n{threads(r)}, {r['figures']['layers']} layers, {r['time'][:10]}\n"
+            f"{machine.label(r)}\n{threads(r)}, {r['figures']['layers']} layers, {r['time'][:10]}, commit {r['commit']}\n"
             f"torch int8 engine: {int8_engine(r)}": [
                 (row["case"], {name: row["times"]["ours-float32"] / row["times"][name] for name in INT8_PATHS})
                 for row in r["figures"]["timing"]
