@@ -282,12 +282,12 @@ def _accelerate(model: nn.Module, implementation: str, already: str, unsupported
 
 
 BEFORE = "_before_acceleration"  # the attribute where a swapped module keeps what `restore` puts back
-_MISSING = object()  # an attribute the module did not have (here), a class without its own post_init (enable())
+_MISSING = object()  # no value: an attribute a module lacked before its setup; a class without its own post_init
 
 
 def _swap(module: nn.Module, accelerated: type[nn.Module], *settings) -> None:
-    """Give `module` its accelerated class and run its `setup(*settings)`, remembering which instance attributes the setup added or
-    replaced (with their values before) and which submodules it added: exactly what `restore` undoes."""
+    """Give `module` its accelerated class and run its `setup(*settings)`, remembering which instance attributes the
+    setup added or replaced (with their values before) and which submodules it added: exactly what `restore` undoes."""
     before, submodules = dict(vars(module)), set(module._modules)
     module.__class__ = accelerated
     module.setup(*settings)
