@@ -164,6 +164,15 @@ def test_the_generator_shows_a_reader_s_command(tmp_path):
     assert read_records("run", records)[-1]["command"].endswith("--out /tmp/scratch/run")  # the record keeps it
 
 
+def test_home_points_each_reader_to_a_page():
+    """Home's "Where to start" has a row for each way in, accelerating a model another library built and reporting a
+    problem included, and each row's page is in the manual."""
+    table = (REPO / "docs" / "index.md").read_text().split("## Where to start", 1)[1]
+    pages = re.findall(r"\]\(([\w/.-]+\.md)\)", table)
+    assert {"libraries.md", "reporting.md", "performance.md", "getting-started.md"} <= set(pages)
+    assert all((REPO / "docs" / page).exists() for page in pages)
+
+
 def test_the_docs_extra_is_what_docs_requirements_installs():
     """`pip install -r docs/requirements.txt` builds the manual without the package; the extra lists the same."""
     extra = re.search(r"^docs = \[(.*)\]", (REPO / "pyproject.toml").read_text(), re.MULTILINE)[1]  # tomllib: 3.11+
