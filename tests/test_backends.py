@@ -67,11 +67,13 @@ def with_implementation(model, implementation: str):
     return other
 
 
-@pytest.fixture(autouse=True, params=["kernel", "pytorch"])
+@pytest.fixture(params=["kernel", "pytorch"])
 def cpu_inference_path(request, monkeypatch) -> str:
-    """Every test twice: CPU inference with the compiled kernel making the band's bias (`native.py`, where it
+    """Every test of CPU inference twice: with the compiled kernel making the band's bias (`native.py`, where it
     builds; here with the far keys split off at every length, as from KERNEL_SPLIT_LENGTH tokens on, so that the
-    far parts run with it too) and with PyTorch's operators alone (U by bands of keys, the add of two views)."""
+    far parts run with it too) and with PyTorch's operators alone (U by bands of keys, the add of two views).
+    The switch decides CPU inference only (`dispatch._sdpa_path`): tests of training, of eager and flex, and of
+    `BlockedAttention` itself run once, since both settings would run the same code."""
     if request.param == "kernel" and not native.available():
         pytest.skip(f"the kernel does not run here: {native.why_unavailable()}")
     monkeypatch.setattr(cpu_inference, "KERNEL_SPLIT_LENGTH", 0)
@@ -221,6 +223,7 @@ def test_flattening_collator_drives_the_token_classification_head():
     assert max_abs_diff(logits[0, 9:13], first) <= 1e-5
 
 
+@pytest.mark.usefixtures("cpu_inference_path")
 def test_inference_position_cache_follows_weight_updates():
     model = build("sdpa")
     batch = padded_batch(100, LENGTHS)
@@ -246,6 +249,7 @@ def test_inference_position_cache_follows_weight_updates():
     assert model.encoder._rel_cache is None  # training never caches (dropout, optimizer steps)
 
 
+@pytest.mark.usefixtures("cpu_inference_path")
 def test_inference_position_cache_is_not_used_past_a_hook():
     """A forward hook on a projection (or a global one) may change what it returns: with one, the position
     projections are made afresh on every call, and the hook sees the relative rows go through."""
@@ -283,6 +287,7 @@ def test_only_reachable_relative_rows_are_projected():
     assert positions.column.dtype == torch.int64  # gather's index type; [2L - 1], never [L, L]
 
 
+@pytest.mark.usefixtures("cpu_inference_path")
 @pytest.mark.parametrize("variant", ["v3", "clipped-distances", "c2p-only", "p2c-only"])
 def test_sdpa_inference_beyond_the_buckets_reach_matches_eager(variant):
     """Long enough that keys far left and far right of a block attend without a dense bias (log-sum-exp merge)."""
@@ -296,6 +301,7 @@ def test_sdpa_inference_beyond_the_buckets_reach_matches_eager(variant):
     assert max_abs_diff(actual, expected, batch["attention_mask"]) <= 1e-5 * max(1.0, expected.abs().max().item())
 
 
+@pytest.mark.usefixtures("cpu_inference_path")
 @pytest.mark.parametrize("variant", ["v3", "clipped-distances", "c2p-only", "p2c-only"])
 @pytest.mark.parametrize("block_elements", [None, 1 << 20])  # the fixture's 7-row blocks, or whole groups
 @pytest.mark.parametrize("band_keys", [None, 7])  # U in bands of 64 keys (up to three here), or of 7
@@ -325,6 +331,7 @@ def test_sdpa_inference_by_distance_matches_eager_at_every_position(monkeypatch,
         assert max_abs_diff(actual, expected) <= 1e-5 * max(1.0, expected.abs().max().item()), lengths
 
 
+@pytest.mark.usefixtures("cpu_inference_path")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("variant", ["v3", "clipped-distances", "c2p-only", "p2c-only"])
 def test_sdpa_inference_beyond_the_reach_in_low_precision(variant, dtype):
@@ -344,6 +351,7 @@ def test_sdpa_inference_beyond_the_reach_in_low_precision(variant, dtype):
     assert max_abs_diff(actual, expected) <= 2 * max_abs_diff(own, expected) + 1e-3
 
 
+@pytest.mark.usefixtures("cpu_inference_path")
 @pytest.mark.parametrize("variant", ["v3", "c2p-only"])
 def test_sdpa_inference_under_cpu_autocast_matches_eager(variant):
     """Under bfloat16 autocast, queries and keys come out of the linear layers in bfloat16 while the cached relative
@@ -359,6 +367,7 @@ def test_sdpa_inference_under_cpu_autocast_matches_eager(variant):
     assert max_abs_diff(actual, expected, batch["attention_mask"]) <= 6e-2 * max(1.0, expected.abs().max().item())
 
 
+@pytest.mark.usefixtures("cpu_inference_path")
 @pytest.mark.skipif(not cpu_inference.CPU_FLASH_WITH_LSE, reason="the near/far split needs the CPU flash kernel's LSE")
 @pytest.mark.parametrize("variant", ["v3", "clipped-distances", "p2c-only"])
 @pytest.mark.parametrize("block_elements", [None, 1 << 20])  # a sequence per group, or all three in one
@@ -401,6 +410,7 @@ def test_sdpa_inference_leaves_keys_of_padding_only_out(monkeypatch, variant, bl
         assert max_abs_diff(output, expected) <= 1e-5 * max(1.0, expected.abs().max().item())
 
 
+@pytest.mark.usefixtures("cpu_inference_path")
 @pytest.mark.skipif(not cpu_inference.CPU_FLASH_WITH_LSE, reason="the near/far split needs the CPU flash kernel's LSE")
 @pytest.mark.parametrize("padded", [False, True])
 def test_far_parts_hand_the_flash_kernel_masks_it_reads_in_place(monkeypatch, padded):
@@ -455,6 +465,7 @@ def test_kept_workspace_is_kept_between_calls_and_stays_exact(cpu_inference_path
         assert not workspace.kept_workspace(sdpa.encoder)
 
 
+@pytest.mark.usefixtures("cpu_inference_path")
 def test_training_workspace_is_kept_between_steps_and_stays_exact():
     """CPU training makes a block's c2p table and a group's p2c table (and their gradients) in buffers kept between
     steps. Steps of other lengths and paddings, inference calls in between, two forwards before one backward and a
