@@ -218,10 +218,6 @@ def agreement(layers: int, width: str, steps: int, texts: int, threads: int, fol
         pad_token_id=tokenizer.pad_token_id,
         num_hidden_layers=layers,
         **{k: shape[k] for k in ("hidden_size", "num_attention_heads", "intermediate_size")},
-        position_buckets=256,
-        max_relative_positions=-1,
-        max_position_embeddings=512,
-        layer_norm_eps=1e-7,
     )
     results = {}
     generator = torch.Generator().manual_seed(0)

@@ -61,6 +61,7 @@ import disentangled
 from benchmarks import gpu_anchors, machine
 from benchmarks.records import RECORDS, append_record
 from disentangled import environment
+from disentangled.configuration.configuration_disentangled import V3_FIELDS
 from disentangled.modeling import native
 
 RESULTS = Path(__file__).parent / "results"
@@ -69,17 +70,8 @@ V3_BASE = dict(
     hidden_size=768,
     num_attention_heads=12,
     intermediate_size=3072,
-    relative_attention=True,
-    max_relative_positions=-1,
-    position_buckets=256,
-    norm_rel_ebd="layer_norm",
-    share_att_key=True,
-    pos_att_type="p2c|c2p",
-    position_biased_input=False,
-    type_vocab_size=0,
-    layer_norm_eps=1e-7,
-    max_position_embeddings=512,
     hidden_act="gelu",
+    **V3_FIELDS,
     pad_token_id=0,
 )
 

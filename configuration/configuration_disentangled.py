@@ -36,6 +36,24 @@ DEBERTA_V2_ABSENT_DEFAULTS = {
 }
 
 
+# DeBERTa-v3's fields beyond its sizes, as its released config.json writes them (our defaults, but not transformers'
+# DebertaV2Config's): written once here for every place that builds a v3-shaped config of ours or of transformers from
+# parts (the demo's stand-in, pretraining's presets, the memory table, the benchmarks); tests/deberta_shapes.py checks
+# them against the released files' fields.
+V3_FIELDS = dict(
+    relative_attention=True,
+    position_buckets=256,
+    max_relative_positions=-1,
+    pos_att_type="p2c|c2p",
+    share_att_key=True,
+    position_biased_input=False,
+    norm_rel_ebd="layer_norm",
+    max_position_embeddings=512,
+    type_vocab_size=0,
+    layer_norm_eps=1e-7,
+)
+
+
 class DisentangledConfig(PretrainedConfig):
     r"""Configuration for [`DisentangledModel`] and its heads.
 

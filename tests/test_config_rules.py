@@ -164,3 +164,15 @@ def test_every_parameter_gets_a_gradient_without_relative_attention(tmp_path):
     input_ids = torch.randint(1, 99, (2, 7))
     with torch.no_grad():
         torch.testing.assert_close(ours.eval()(input_ids)[0], reference(input_ids)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_v3_fields_are_the_released_configs():
+    """`V3_FIELDS`, the one home of DeBERTa-v3's fields beyond its sizes, against the released config.json's (as
+    tests/deberta_shapes.py writes them down, field by field), and the config's defaults agree with it."""
+    from deberta_shapes import V3_COMMON
+
+    from disentangled.configuration.configuration_disentangled import V3_FIELDS
+
+    assert V3_FIELDS == {name: V3_COMMON[name] for name in V3_FIELDS}
+    built, defaults = DisentangledConfig(**V3_FIELDS), DisentangledConfig()
+    assert all(getattr(built, name) == getattr(defaults, name) for name in V3_FIELDS)

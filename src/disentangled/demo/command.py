@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..configuration.configuration_disentangled import V3_FIELDS
 from .data import corpus_lines, pretraining_lines, sentiment_examples, train_sentencepiece, write_rows
 
 CHILD_SCRIPT = Path(__file__).with_name("remote.py")  # run by path: importing it would hide the package here
@@ -46,17 +47,8 @@ STAND_IN = dict(
     num_hidden_layers=2,
     num_attention_heads=4,
     intermediate_size=512,
-    max_position_embeddings=512,
-    relative_attention=True,
-    position_buckets=256,
-    max_relative_positions=-1,
-    pos_att_type=["p2c", "c2p"],
-    share_att_key=True,
-    norm_rel_ebd="layer_norm",
-    position_biased_input=False,
-    type_vocab_size=0,
-    layer_norm_eps=1e-7,
     hidden_act="gelu",
+    **V3_FIELDS,
 )
 
 

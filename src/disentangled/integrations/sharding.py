@@ -22,6 +22,8 @@ from collections.abc import Callable
 from torch import nn
 from transformers import TrainerCallback
 
+from ..configuration.configuration_disentangled import V3_FIELDS
+
 WRAP_FIX = (
     "wrap only the layers: fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP with fsdp_transformer_layer_cls_to_wrap: "
     "DisentangledLayer (DebertaV2Layer for transformers' DeBERTa), as examples/accelerate/fsdp2.yaml does"
@@ -128,11 +130,7 @@ class WrapCheck(TrainerCallback):
 # ----------------------------------------------------------------------------------------------------------------------
 # Memory per GPU: the training state DDP replicates and FSDP2 / ZeRO-3 divide (docs/multi-gpu.md)
 
-V3_SHAPE = dict(
-    vocab_size=128100, relative_attention=True, position_buckets=256, max_relative_positions=-1, pos_att_type="p2c|c2p",
-    share_att_key=True, position_biased_input=False, norm_rel_ebd="layer_norm", max_position_embeddings=512,
-    type_vocab_size=0, legacy=False,
-)  # fmt: skip
+V3_SHAPE = dict(V3_FIELDS, vocab_size=128100, legacy=False)
 SHAPES = {
     "deberta-v3-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
     "deberta-v3-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),

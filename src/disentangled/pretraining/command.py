@@ -27,21 +27,12 @@ import tempfile
 import typing
 from pathlib import Path
 
+from ..configuration.configuration_disentangled import V3_FIELDS
+
 logger = logging.getLogger("disentangled.pretrain")
 
 # DeBERTa-v3 shapes (relative attention with 256 log buckets, c2p + p2c, shared keys, no absolute input positions).
-V3 = dict(
-    relative_attention=True,
-    position_buckets=256,
-    max_relative_positions=-1,
-    pos_att_type="p2c|c2p",
-    share_att_key=True,
-    position_biased_input=False,
-    norm_rel_ebd="layer_norm",
-    max_position_embeddings=512,
-    type_vocab_size=0,
-    legacy=False,
-)
+V3 = dict(V3_FIELDS, legacy=False)
 PRESETS = {
     # tiny: weights drawn with std 0.1, not 0.02: at width 64, 0.02 leaves attention near uniform for hundreds of steps
     # and the discriminator learns only unigram cues (docs/pretraining.md, "What makes the discriminator learn")
