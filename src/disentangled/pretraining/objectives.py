@@ -50,12 +50,12 @@ from transformers import Trainer
 from transformers.utils import ModelOutput
 
 from ..configuration import DisentangledConfig
+from ..modeling.validation import IGNORE_INDEX
 from .sequence_draws import randint, sample, token_shares, uniform
 
 logger = logging.getLogger("disentangled.pretraining")  # the name its log lines carry (the room, not this file)
 
 SHARING_MODES = ("gdes", "es", "none")
-IGNORE_INDEX = -100
 AUC_WARNING_MARGIN = 0.02  # |AUC - 0.5| below this after warm-up: the discriminator does not separate the tokens
 WARNING_AFTER_STEPS = 100  # the collapse warning waits at least this long, even without warm-up
 LEARNED_AUC = 0.6  # the run's last line: held-out ROC-AUC at least this, "the discriminator learned"
