@@ -1,8 +1,10 @@
 """Which path serves an attention call, and why: the one function that decides (`decide`), the facts it decides
 from (`Call`) and the switches it reads (`SWITCHES`).
 
-The attention layer asks it which implementation runs (eager, sdpa, flex_attention, or one registered with
-transformers), and `sdpa_disentangled` which of its paths; neither decides anything on the way. The decision reads
+The attention layer asks it once per call which implementation (eager, sdpa, flex_attention, or one registered with
+transformers) and which path serves the call, and hands the `Decision` to the implementation: `sdpa_disentangled`
+runs the path it names from its table of runners (`sdpa_attention.RUNNERS`), and decides only a call that comes
+without one (from transformers' attention interface, say). Nothing decides on the way. The decision reads
 facts only (device, dtype, head size, length, gradients, dropout, mask, position terms, the GPU, what is installed,
 the switches), never tensor data, so `disentangled env` asks the same function what would serve a call it describes,
 without running one.
@@ -107,6 +109,10 @@ PATHS = {  # path: what runs it
     "sdpa-blocked": "scaled_dot_product_attention one block of query rows at a time, keys reversed",
 }
 
+# Reasons two places give
+UNTILED = "the bucket column steps by more than one per distance somewhere (the kernel's tiles read 16 at once)"
+FAILED_CHECK = "it failed its self-check for this kind of call on this GPU (kernel_check.py)"
+
 
 @dataclass(slots=True)
 class Call:
@@ -122,7 +128,7 @@ class Call:
     mask: str = "keys"  # "none", "keys" (bool [B, 1, 1, L]), "pairs" (bool [B, 1, L, L]) or "other"
     terms: tuple[str, ...] = ("c2p", "p2c")  # the position terms; () for none
     width: int = 511  # the relative rows the input reaches (`RelativePositions.width`)
-    tiled_columns: bool = True  # 16 consecutive distances within 16 columns (`native.kernel_columns`)
+    tiled_columns: bool = True  # one distance more reads the same column or the next (`native.tiles_hold`)
     uniform: bool = True  # q, k, v of one dtype and head size; queries, keys and positions of one length
     implementation: str = "sdpa"  # asked for (`config._attn_implementation`)
     output_attentions: bool = False
@@ -324,8 +330,7 @@ def _sdpa_path(call: Call, skipped: list) -> Decision:
         why, tiles = _triton_refusal(call)
         if why is None:
             return _triton_decision(call, skipped, tiles)
-        skipped.append(("triton", why))
-        return Decision("sdpa", "sdpa-blocked", "sdpa's own path on this device", tuple(skipped))
+        return blocked_instead(tuple(skipped), why)
     if "p2p" in call.terms:
         skipped.append(("cpu-by-distance" if not call.gradients else "cpu-training", "they take no p2p term"))
         return Decision("sdpa", "sdpa-blocked", "p2p on the CPU", tuple(skipped))
@@ -378,7 +383,7 @@ def _bias_kernel_refusal(call: Call) -> str | None:
     if (why := _native_refusal(call)) is not None:
         return why
     if not call.tiled_columns:
-        return "16 consecutive distances reach more than 16 bucket columns (the kernel's tile loads)"
+        return UNTILED
     return None
 
 
@@ -396,7 +401,7 @@ def _fused_refusal(call: Call) -> str | None:
     if (why := _native_refusal(call)) is not None:
         return why
     if not call.tiled_columns:
-        return "16 consecutive distances reach more than 16 bucket columns (the kernel's tile loads)"
+        return UNTILED
     if not native_attend(call.dtype):
         return "bfloat16 needs a processor with AMX and AVX512-BF16 (and the AMX tiles allowed)"
     if native_workspace_bytes(call.length, _columns(call.width)) > FUSED_WORKSPACE_BYTES:
@@ -476,8 +481,13 @@ def _triton_decision(call: Call, skipped: list, tiles: dict) -> Decision:
     if found["passed"]:
         return Decision("sdpa", "triton", reason + ", self-check passed", tuple(skipped), tiles, tiles_from, kind,
                         "passed")  # fmt: skip
-    skipped.append(("triton", "it failed its self-check for this kind of call on this GPU (kernel_check.py)"))
-    return Decision("sdpa", "sdpa-blocked", "sdpa's own path on this device", tuple(skipped))
+    return blocked_instead(tuple(skipped), FAILED_CHECK)
+
+
+def blocked_instead(skipped: tuple, why: str) -> Decision:
+    """sdpa's blocked path for a call on an accelerator that the Triton kernel does not serve (`why`); also what
+    `sdpa_attention._run_triton` runs when the kernel's self-check fails or it cannot launch."""
+    return Decision("sdpa", "sdpa-blocked", "sdpa's own path on this device", (*skipped, ("triton", why)))
 
 
 def log_fallback(decision: Decision) -> None:

@@ -52,7 +52,7 @@ from .disentangled_attention import (
     head_scaling,
     warn_once,
 )
-from .dispatch import call_facts, decide, switch_value
+from .dispatch import Decision, call_facts, decide, switch_value
 from .flex_attention import flex_disentangled
 from .kernel_check import verdict as _verdict  # noqa: F401  (sdpa's self-check of the CUDA kernel; see above)
 from .native import available as _native_available  # noqa: F401  (see the note on cpu_inference above)
@@ -284,7 +284,7 @@ class DisentangledSelfAttention(nn.Module):
         """The implementation asked for: the model's (`config._attn_implementation`)."""
         return self.config._attn_implementation or "eager"
 
-    def backend(
+    def decide(
         self,
         query: Tensor,
         key: Tensor,
@@ -292,9 +292,9 @@ class DisentangledSelfAttention(nn.Module):
         attention_mask: Tensor | None,
         position_scores: PositionScores | None,
         output_attentions: bool = False,
-    ) -> tuple[str, bool]:
-        """The implementation that serves this call (`dispatch.decide`; the configured one, or sdpa or eager where it
-        cannot, warned once), and for flex_attention whether compiled."""
+    ) -> Decision:
+        """The path that serves this attention call (`dispatch.decide`, asked once per call): the configured
+        implementation, or sdpa or eager where it cannot serve (warned once)."""
         dropout = self.dropout_p if self.training else 0.0
         implementation = self.attn_implementation()
         call = call_facts(
@@ -303,7 +303,42 @@ class DisentangledSelfAttention(nn.Module):
         decision = decide(call)
         if decision.implementation != implementation:
             warn_once(decision.skipped[0][1])
-        return decision.implementation, decision.path == "flex"
+        return decision
+
+    def attend(
+        self,
+        decision: Decision,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        position_scores: PositionScores | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Run the implementation `decision` names, handing it the decision: [B, L, H, D] context, probabilities."""
+        implementation = decision.implementation
+        if implementation == "flex_attention":
+            attend = functools.partial(flex_disentangled, compiled=decision.path == "flex")
+        elif implementation in DISENTANGLED_ATTENTION_FUNCTIONS:
+            attend = DISENTANGLED_ATTENTION_FUNCTIONS[implementation]
+        else:  # an implementation registered with transformers: position terms and mask as one dense bias
+            registered = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_disentangled)
+
+            def attend(module, query, key, value, attention_mask, scaling, dropout, position_scores, **kwargs):
+                bias = dense_position_bias(position_scores, attention_mask, query.dtype)
+                return registered(module, query, key, value, bias, scaling=scaling, dropout=dropout)
+
+        dropout = self.dropout_p if self.training else 0.0
+        return attend(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=self.scaling,
+            dropout=dropout,
+            position_scores=position_scores,
+            decision=decision,
+        )
 
     def forward(
         self,
@@ -318,50 +353,23 @@ class DisentangledSelfAttention(nn.Module):
         """`rel_index` is the forward's `RelativePositions`; `cu_seqlens` the bounds of packed sequences, where
         `hidden_states` is [1, total tokens, hidden] and each sequence attends only to itself. `query_states`
         (same shape as `hidden_states`) is a separate query stream, the Enhanced Mask Decoder's: queries (and so
-        c2p) come from it, keys, values (and so p2c) from `hidden_states`."""
+        c2p) come from it, keys, values (and so p2c) from `hidden_states`. Each attention call is decided once
+        (`decide`) and run by the implementation its decision names (`attend`)."""
         query, key, value = self.project(hidden_states, query_states)  # [B, H, L, D]
         position_scores = (
             self.position_scores(query, key, rel_embeddings, rel_index) if rel_embeddings is not None else None
         )
-
-        implementation, compiled = self.backend(query, key, value, attention_mask, position_scores, output_attentions)
-        dropout = self.dropout_p if self.training else 0.0
-        if implementation == "flex_attention":
-            attend = functools.partial(flex_disentangled, compiled=compiled)
-        elif implementation in DISENTANGLED_ATTENTION_FUNCTIONS:
-            attend = DISENTANGLED_ATTENTION_FUNCTIONS[implementation]
-        else:  # an implementation registered with transformers: position terms and mask as one dense bias
-            registered = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_disentangled)
-
-            def attend(module, query, key, value, attention_mask, scaling, dropout, position_scores):
-                bias = dense_position_bias(position_scores, attention_mask, query.dtype)
-                return registered(module, query, key, value, bias, scaling=scaling, dropout=dropout)
-
         if cu_seqlens is None:
-            context, probs = attend(
-                self,
-                query,
-                key,
-                value,
-                attention_mask,
-                scaling=self.scaling,
-                dropout=dropout,
-                position_scores=position_scores,
-            )
+            decision = self.decide(query, key, value, attention_mask, position_scores, output_attentions)
+            context, probs = self.attend(decision, query, key, value, attention_mask, position_scores)
             return context.flatten(-2), probs  # [B, L, H * D]
         contexts = []
         for first, last in zip(cu_seqlens[:-1], cu_seqlens[1:]):  # one sequence at a time: no padding, no cross terms
             tokens = slice(first, last)
-            context, _ = attend(
-                self,
-                query[:, :, tokens],
-                key[:, :, tokens],
-                value[:, :, tokens],
-                None,
-                scaling=self.scaling,
-                dropout=dropout,
-                position_scores=position_scores.cut(first, last) if position_scores is not None else None,
-            )
+            query_part, key_part, value_part = query[:, :, tokens], key[:, :, tokens], value[:, :, tokens]
+            scores = position_scores.cut(first, last) if position_scores is not None else None
+            decision = self.decide(query_part, key_part, value_part, None, scores, output_attentions)
+            context, _ = self.attend(decision, query_part, key_part, value_part, None, scores)
             contexts.append(context)
         return torch.cat(contexts, dim=1).flatten(-2), None  # [1, T, H * D]
 

@@ -34,7 +34,7 @@ from .disentangled_attention import (
     p2c_by_row,
     position_table,
 )
-from .dispatch import call_facts, decide, log_fallback, switch_value
+from .dispatch import FAILED_CHECK, Decision, blocked_instead, call_facts, decide, log_fallback, switch_value
 from .kernel_check import check
 from .native import Band, available, hankel_bias, hankel_bias_backward, keep_mask, kernel_columns
 from .triton_attention import KernelLaunchError, launch_failed, triton_disentangled
@@ -78,61 +78,105 @@ def sdpa_disentangled(
     dropout: float = 0.0,
     position_scores: PositionScores | None = None,
     block_elements: int | None = None,
+    decision: Decision | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
     """`scaled_dot_product_attention` with the position terms (and the mask) as an additive float bias.
 
-    The bias exists one block of query rows at a time ([B, H, rows, L], at most `block_elements`); the keys
-    go in reverse order so that the block's index is a view (see `_block_bias`).
-    Attention is invariant to the order of the keys, so the result is unchanged.
+    Runs the path `decision` names (`RUNNERS`): the layer's, which `dispatch.decide` made once for the call; a caller
+    from elsewhere (transformers' attention interface, a benchmark) passes none, and the call is decided here. The
+    bias exists one block of query rows at a time ([B, H, rows, L], at most `block_elements`); the keys go in reverse
+    order so that the block's index is a view (see `_block_bias`). Attention is invariant to the order of the keys,
+    so the result is unchanged.
     """
-    batch, heads, length, _ = query.shape
     if _onnx_attention is not None and position_scores is not None and torch.onnx.is_in_onnx_export():
         context = _onnx_attention(query, key, value, attention_mask, scaling, position_scores)
         if context is not None:  # the package's ONNX Runtime graph; None: the portable one below
             return context, None
-    call = call_facts(query, key, value, attention_mask, position_scores, dropout)
-    decision = decide(call)  # the path, and why (`dispatch.py`)
-    if decision.path == "triton":  # CUDA: the fused Triton kernel (`triton_attention.py`)
-        try:
-            if decision.check == "pending":  # the first call of its kind on this GPU: checked before the kernel serves
-                check(decision.kind, query.device, triton_disentangled, blocked_attention)
-                decision = decide(call)
-            if decision.path == "triton":
-                return triton_disentangled(
-                    module, query, key, value, attention_mask, scaling, dropout, position_scores, blocks=decision.tiles
-                )
-        except KernelLaunchError as error:  # this GPU cannot run it: warned once, and not tried again
-            launch_failed(query, error)
-            decision = decide(call)
+    if decision is None:
+        decision = decide(call_facts(query, key, value, attention_mask, position_scores, dropout))
     log_fallback(decision)
-    if decision.path == "sdpa-dense":  # one dense bias: a graph compile and export can follow
-        bias = position_scores.bias().to(query.dtype) if position_scores is not None else None
-        if attention_mask is not None:  # finfo.min, not -inf: a fully masked row is uniform, as in eager
-            bias = torch.zeros((), dtype=query.dtype, device=query.device) if bias is None else bias
-            bias = _masked_scores(bias.expand(*bias.shape[:2], length, key.shape[-2]), attention_mask)
-        context = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling)
-        context = context.transpose(1, 2)  # [B, L, H, D]
-        if is_tracing():  # torch.export's decomposition of sdpa yields other strides than it traced
-            context = context.clone(memory_format=torch.contiguous_format)
-        return context, None
-    if decision.path in ("cpu-fused", "cpu-bias-kernel", "cpu-by-distance"):  # CPU inference (`cpu_inference.py`)
-        context = _attend_by_distance(
-            position_scores, query, key, value, attention_mask, scaling, block_elements, path=decision.path
-        )
-        return context, None
-    if decision.path in ("cpu-training-kernel", "cpu-training"):  # CPU training: the tables made block by block
-        block_elements = block_elements or SDPA_BLOCK_ELEMENTS
-        mask = attention_mask.flip(-1) if attention_mask is not None else None
-        pos_key, pos_query = position_scores.pos_key, position_scores.pos_query
-        context = BlockedAttention.apply(
-            query, key.flip(-2), value.flip(-2), pos_key, pos_query, mask, position_scores.positions, scaling,
-            dropout, block_elements, decision.path == "cpu-training-kernel",
-        )  # fmt: skip
-        return context, None
+    run = RUNNERS[decision.path]
+    return run(decision, module, query, key, value, attention_mask, scaling, dropout, position_scores, block_elements)
+
+
+# Each runner: (decision, module, query, key, value, attention_mask, scaling, dropout, position_scores,
+# block_elements) -> (context [B, L, H, D], None).
+
+
+def _run_dense(decision, module, query, key, value, attention_mask, scaling, dropout, position_scores, block_elements):
+    """One dense bias: a graph compile and export can follow."""
+    length = query.shape[-2]
+    bias = position_scores.bias().to(query.dtype) if position_scores is not None else None
+    if attention_mask is not None:  # finfo.min, not -inf: a fully masked row is uniform, as in eager
+        bias = torch.zeros((), dtype=query.dtype, device=query.device) if bias is None else bias
+        bias = _masked_scores(bias.expand(*bias.shape[:2], length, key.shape[-2]), attention_mask)
+    context = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling)
+    context = context.transpose(1, 2)  # [B, L, H, D]
+    if is_tracing():  # torch.export's decomposition of sdpa yields other strides than it traced
+        context = context.clone(memory_format=torch.contiguous_format)
+    return context, None
+
+
+def _run_by_distance(
+    decision, module, query, key, value, attention_mask, scaling, dropout, position_scores, block_elements
+):
+    """CPU inference (`cpu_inference.py`): fused, the bias kernel, or PyTorch, as the path says."""
+    context = _attend_by_distance(
+        position_scores, query, key, value, attention_mask, scaling, block_elements, path=decision.path
+    )
+    return context, None
+
+
+def _run_cpu_training(
+    decision, module, query, key, value, attention_mask, scaling, dropout, position_scores, block_elements
+):
+    """CPU training: the tables made block by block (`BlockedAttention`), the bias by the kernel where the path says."""
+    mask = attention_mask.flip(-1) if attention_mask is not None else None
+    pos_key, pos_query = position_scores.pos_key, position_scores.pos_query
+    context = BlockedAttention.apply(
+        query, key.flip(-2), value.flip(-2), pos_key, pos_query, mask, position_scores.positions, scaling,
+        dropout, block_elements or SDPA_BLOCK_ELEMENTS, decision.path == "cpu-training-kernel",
+    )  # fmt: skip
+    return context, None
+
+
+def _run_blocked(
+    decision, module, query, key, value, attention_mask, scaling, dropout, position_scores, block_elements
+):
     return blocked_attention(
         module, query, key, value, attention_mask, scaling, dropout, position_scores, block_elements
     )
+
+
+def _run_triton(decision, module, query, key, value, attention_mask, scaling, dropout, position_scores, block_elements):
+    """CUDA: the fused Triton kernel (`triton_attention.py`). What the decision left open is settled here, not by
+    deciding again: the first call of its kind on this GPU runs the self-check before the kernel serves, and where
+    the check fails or the kernel cannot launch (warned once), sdpa's blocked path serves, as `decide` would answer
+    for that kind from then on."""
+    arguments = (module, query, key, value, attention_mask, scaling, dropout, position_scores)
+    try:
+        if decision.check == "pending":
+            if not check(decision.kind, query.device, triton_disentangled, blocked_attention)["passed"]:
+                log_fallback(blocked_instead(decision.skipped, FAILED_CHECK))
+                return blocked_attention(*arguments, block_elements)
+        return triton_disentangled(*arguments, blocks=decision.tiles)
+    except KernelLaunchError as error:  # this GPU cannot run it: warned once, and not tried again
+        launch_failed(query, error)
+        log_fallback(blocked_instead(decision.skipped, f"it failed to launch on this GPU: {error}"))
+    return blocked_attention(*arguments, block_elements)
+
+
+RUNNERS = {  # the paths of `dispatch.PATHS` that this backend runs
+    "sdpa-dense": _run_dense,
+    "cpu-fused": _run_by_distance,
+    "cpu-bias-kernel": _run_by_distance,
+    "cpu-by-distance": _run_by_distance,
+    "cpu-training-kernel": _run_cpu_training,
+    "cpu-training": _run_cpu_training,
+    "sdpa-blocked": _run_blocked,
+    "triton": _run_triton,
+}
 
 
 def blocked_attention(

@@ -52,8 +52,9 @@ kernel's own work per score is then a column load and two gathers from cache-res
 in float32 and scaled after (eager scales q first so that float16 cannot overflow; float32 cannot). Float32 inputs
 use IEEE products (no TF32), matching torch's default for float32 matmuls.
 
-Where it runs (decided by `dispatch.decide`, which `sdpa_disentangled` asks on each call and which says why in one
-debug line when it falls back to sdpa's own blocked path; DISENTANGLED_TRITON=0 turns it off): CUDA with compute
+Where it runs (decided by `dispatch.decide`, once per call, which says why in one debug line when it falls back to
+sdpa's own blocked path; a pending self-check and a failed launch are settled by `sdpa_attention._run_triton`;
+DISENTANGLED_TRITON=0 turns it off): CUDA with compute
 capability 7.0 or more (8.0 for bfloat16; not ROCm), float16, bfloat16 or float32, head sizes 32, 64 and 128,
 self-attention with position terms (plain attention stays with torch's own fused kernels), no mask or a boolean key
 mask [B, 1, 1, L], where `tiles_for` has tiles for the GPU (a tuned profile, else `triton_tiles.TILES`). A pair mask [B, 1, L, L] (a 3-D attention_mask) falls back.

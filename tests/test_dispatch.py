@@ -46,7 +46,7 @@ def test_cpu_inference_takes_the_fused_kernel_then_the_bias_kernel_then_pytorch(
     decision = decide(dtype=torch.float16)
     assert decision.path == "cpu-by-distance" and "float32 or bfloat16, not float16" in fell_back(decision, "cpu-fused")
     decision = decide(tiled_columns=False)
-    assert decision.path == "cpu-by-distance" and "16 bucket columns" in fell_back(decision, "cpu-fused")
+    assert decision.path == "cpu-by-distance" and dispatch.UNTILED == fell_back(decision, "cpu-fused")
     decision = decide(head_size=32, length=32768)  # one sequence's p2c table too large for the bias kernel
     assert decision.path == "cpu-by-distance" and "KERNEL_TABLE_ELEMENTS" in fell_back(decision, "cpu-bias-kernel")
     switch(FUSED_FLOAT32=False)
@@ -160,10 +160,12 @@ TINY = dict(
 
 
 def ran_paths(monkeypatch) -> tuple[list, list]:
-    """(the decisions sdpa took, the paths that then ran), recorded at the functions each path calls."""
+    """(the decisions the layers took, the paths that then ran), recorded at the functions each path calls; the
+    backend deciding again fails the test."""
     decisions, ran = [], []
-    decide_ = sdpa_attention.decide
-    monkeypatch.setattr(sdpa_attention, "decide", lambda call: decisions.append(decide_(call)) or decisions[-1])
+    decide_ = modeling_disentangled.decide
+    monkeypatch.setattr(modeling_disentangled, "decide", lambda call: decisions.append(decide_(call)) or decisions[-1])
+    monkeypatch.setattr(sdpa_attention, "decide", lambda call: pytest.fail("the backend decided the call again"))
     by_distance, blocked, apply = (
         sdpa_attention._attend_by_distance,
         sdpa_attention.blocked_attention,
@@ -226,3 +228,24 @@ def test_the_model_warns_once_where_the_implementation_it_was_given_cannot_serve
     with torch.no_grad():
         model.eval()(**batch)
     assert calls and all(call["compiled"] is False for call in calls)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_one_decision_per_layer_call(monkeypatch, implementation):
+    """`dispatch.decide` is asked once per attention call: a 3-layer model's forward counts 3, in inference and in
+    training (the layer decides, the backend runs its decision); and the backend's table of runners holds every path
+    of the dispatcher that sdpa serves."""
+    asked = []
+    decide_ = dispatch.decide
+    for module in (modeling_disentangled, sdpa_attention):
+        monkeypatch.setattr(module, "decide", lambda call: asked.append(call) or decide_(call))
+    model = disentangled.DisentangledModel(disentangled.DisentangledConfig(**dict(TINY, num_hidden_layers=3)))
+    model.set_attn_implementation(implementation)
+    batch = padded_batch(100, [40, 23])
+    with torch.no_grad():
+        model.eval()(**batch)
+    assert len(asked) == 3
+    model.train()(**batch).last_hidden_state.sum().backward()
+    assert len(asked) == 6
+    assert set(sdpa_attention.RUNNERS) <= set(dispatch.PATHS)
+    assert set(dispatch.PATHS) - set(sdpa_attention.RUNNERS) == {"eager", "flex", "flex-reference", "registered"}

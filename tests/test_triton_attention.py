@@ -30,7 +30,14 @@ from parity import inflate_weights, max_abs_diff, padded_batch
 pytest.importorskip("triton")
 
 import disentangled  # noqa: E402
-from disentangled.modeling import dispatch, kernel_check, sdpa_attention, triton_attention, triton_tiles  # noqa: E402
+from disentangled.modeling import (  # noqa: E402
+    dispatch,
+    kernel_check,
+    modeling_disentangled,
+    sdpa_attention,
+    triton_attention,
+    triton_tiles,
+)
 from disentangled.modeling.disentangled_attention import (  # noqa: E402
     PositionScores,
     RelativePositions,
@@ -440,13 +447,15 @@ def test_cpu_never_takes_the_kernel(monkeypatch, switch, caplog):
 
 def on_gpu(monkeypatch, gpu: str = "interpreter", tiles: dict | None = None) -> None:
     """The dispatcher told that CPU tensors are on a CUDA GPU `gpu` of compute capability 9.0 (the interpreter runs
-    the kernel on them), with `tiles` for every call where given."""
-    facts = sdpa_attention.call_facts
+    the kernel on them), with `tiles` for every call where given: where the facts are read, by a model's layer or by
+    sdpa for a call that comes without a decision."""
+    facts = dispatch.call_facts
 
     def on_cuda(*args, **kwargs):
         return dataclasses.replace(facts(*args, **kwargs), device="cuda", gpu=gpu, capability=(9, 0))
 
-    monkeypatch.setattr(sdpa_attention, "call_facts", on_cuda)
+    for module in (modeling_disentangled, sdpa_attention):
+        monkeypatch.setattr(module, "call_facts", on_cuda)
     if tiles is not None:
         monkeypatch.setattr(dispatch, "tiles_for", lambda *args: dict(tiles))
 
