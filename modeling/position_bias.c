@@ -10,7 +10,8 @@
    descending) both terms read their columns in ascending order: c2p_column[m] = W - 1 - column[2L - 2 - m] at
    m = L - 1 - i + j. Each sum is taken in float32 and rounded once to the output's type, as torch's add does.
 
-   Compiled once on first use by native.py (cc -O3 -fopenmp and the instruction set's flags). Whole 16 x 16 tiles
+   Compiled once on first use by native.py (cc -O3 -fopenmp and the instruction set's flags), and without OpenMP into
+   ONNX Runtime's operator library (ort_attention.c; the pragmas are then ignored). Whole 16 x 16 tiles
    run with vectors of 16 float32 lanes, the rest one element at a time. The kernels are written once over a small
    vector layer, one header of inline functions per instruction set, chosen by the compiler's predefined macros:
    AVX-512 (position_bias_avx512.h), AVX2 + FMA (position_bias_avx2.h) and aarch64's NEON (position_bias_neon.h);
@@ -47,6 +48,11 @@ static inline int omp_get_num_threads(void) { return 1; }
 #endif
 #ifdef VECTOR_SET
 #define HAVE_VECTORS 1
+#endif
+/* The entries native.py loads by name. ort_attention.c's build for several sets makes them local to each set's unit
+   (one library holds an AVX-512 and an AVX2 copy of this file, whose names must not collide). */
+#ifndef ENTRY
+#define ENTRY
 #endif
 /* AMX's macros: __AMX_TILE__ (gcc, newer clang) or __AMXTILE__ (clang before 16) */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
@@ -94,7 +100,7 @@ typedef struct {
 enum { COLUMN_HOLDS, COLUMN_OUTSIDE, COLUMN_FALLS, COLUMN_STEPS_OVER_ONE, COLUMN_NOT_MIRRORED };
 
 /* Rule 1 for one vector of `count` entries: COLUMN_HOLDS, or the first rule broken and, in *at, the entry at fault. */
-int column_fault(const int32_t *column, int64_t count, int64_t width, int64_t tiled, int64_t *at) {
+ENTRY int column_fault(const int32_t *column, int64_t count, int64_t width, int64_t tiled, int64_t *at) {
     for (int64_t m = 0; m < count; m++) {
         *at = m;
         if (column[m] < 0 || column[m] >= width) return COLUMN_OUTSIDE;
@@ -107,7 +113,7 @@ int column_fault(const int32_t *column, int64_t count, int64_t width, int64_t ti
 
 /* Whether c2p_column is column's mirror (rule 1): COLUMN_HOLDS, or COLUMN_NOT_MIRRORED with *at the first m where
    the sum differs from the first. */
-int mirror_fault(const int32_t *column, const int32_t *c2p_column, int64_t count, int64_t *at) {
+ENTRY int mirror_fault(const int32_t *column, const int32_t *c2p_column, int64_t count, int64_t *at) {
     for (int64_t m = 0; m < count; m++) {
         *at = m;
         if ((int64_t)c2p_column[m] + column[count - 1 - m] != (int64_t)c2p_column[0] + column[count - 1])
@@ -118,7 +124,7 @@ int mirror_fault(const int32_t *column, const int32_t *c2p_column, int64_t count
 }
 
 /* What each fault breaks, in words (for the errors of native.py and ort_attention.c). */
-const char *column_rule(int fault) {
+ENTRY const char *column_rule(int fault) {
     switch (fault) {
     case COLUMN_HOLDS: return "holds";
     case COLUMN_OUTSIDE: return "lies outside the table's columns [0, W)";
@@ -308,7 +314,7 @@ static inline __attribute__((always_inline)) void bias_plane(const BiasArgs *arg
 
 /* Every (sequence, head) plane, on `threads` OpenMP threads; element_size 2 (bfloat16) or 4 (float32). Returns 1
    for any other size or with neither table, COLUMNS_REFUSED where the contract's rules 1 and 2 do not hold. */
-int position_bias(const BiasArgs *args, int64_t element_size, int64_t planes, int threads) {
+ENTRY int position_bias(const BiasArgs *args, int64_t element_size, int64_t planes, int threads) {
     const int c2p = args->c2p != NULL, p2c = args->p2c != NULL;
     if ((element_size != 2 && element_size != 4) || !(c2p || p2c)) return 1;
     if (args->heads < 1 || columns_refused(args->column, args->c2p_column, args->length, args->width, args->first_row,
@@ -483,7 +489,7 @@ static int hankel_refused(const HankelArgs *x) {
 /* out = T + U along the Hankel columns, every plane on `threads` OpenMP threads; element_size 2 (bfloat16) or 4
    (float32). Returns 1 for any other size or with neither table, 3 for bands that do not hold what is read,
    COLUMNS_REFUSED where the contract does not hold. */
-int hankel_bias(const HankelArgs *x, int64_t element_size, int64_t planes, int threads) {
+ENTRY int hankel_bias(const HankelArgs *x, int64_t element_size, int64_t planes, int threads) {
     const int t = x->t != NULL, u = x->u != NULL;
     if ((element_size != 2 && element_size != 4) || !(t || u)) return 1;
     const int refused = hankel_refused(x);
@@ -564,7 +570,7 @@ static inline __attribute__((always_inline)) void hankel_plane_backward(const Ha
 /* dT (written) and dU (added, or written with add_u 0) from dS, every plane on `threads` OpenMP threads. Returns 1
    for an element size other than 2 or 4, or with neither table; 2 where a thread's band could not be allocated; 3 as
    hankel_bias does. */
-int hankel_bias_backward(const HankelArgs *x, int64_t element_size, int64_t planes, int threads) {
+ENTRY int hankel_bias_backward(const HankelArgs *x, int64_t element_size, int64_t planes, int threads) {
     if ((element_size != 2 && element_size != 4) || !(x->t || x->u)) return 1;
     const int refused = hankel_refused(x);
     if (refused) return refused;
@@ -638,7 +644,7 @@ static int64_t packed_bytes(int64_t padded) { return padded * DIM * 2 * 4; }
 /* One thread's workspace: the plane's packed keys and values, U ([padded keys, W] float32) and its edge columns,
    and the T of a group of blocks of rows ([ROW_GROUP x 16, W] float32), each table with 16 spare elements (the
    tile loads read 16 columns). */
-int64_t workspace_bytes(int64_t keys, int64_t width) {
+ENTRY int64_t workspace_bytes(int64_t keys, int64_t width) {
     const int64_t padded = padded_keys(keys);
     return packed_bytes(padded) + (padded * width + 16) * 4 + padded * 2 * 4 + (ROW_GROUP * QUERY_ROWS * width + 16) * 4 + 64;
 }
@@ -1105,7 +1111,7 @@ static void attend_rows_f32(const AttendArgs *x, int64_t sequence, int64_t head,
 
 /* Whether attend() can run here: built with AMX and AVX512-BF16, and the kernel let this process use the AMX tile
    data (Linux asks each process to request it; PyTorch's oneDNN may have already). */
-int attend_available(void) {
+ENTRY int attend_available(void) {
 #ifdef HAVE_AMX
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 #else
@@ -1187,7 +1193,7 @@ static int attend_refused(const AttendArgs *x, int64_t element_size) {
    planes than threads); element_size 2 (bfloat16, on AMX) or 4 (float32). Each thread takes a contiguous share of
    the items (as OpenMP's static schedule would), in its own part of x->workspace. Returns 1 where it cannot run
    (attend_refused). */
-int attend(const AttendArgs *x, int64_t element_size, int64_t planes, int64_t chunks, int threads) {
+ENTRY int attend(const AttendArgs *x, int64_t element_size, int64_t planes, int64_t chunks, int threads) {
     const int refused = attend_refused(x, element_size);
     if (refused) return refused;
 #ifdef HAVE_VECTORS
@@ -1221,7 +1227,7 @@ int attend(const AttendArgs *x, int64_t element_size, int64_t planes, int64_t ch
 /* Float32 only: items [begin, end) of attend()'s planes x chunks on the calling thread, in `workspace`
    (workspace_bytes(keys, width)), for a caller with threads of its own (ONNX Runtime's, ort_attention.c). Returns 1
    where attend() would. */
-int attend_part(const AttendArgs *x, int64_t chunks, int64_t begin, int64_t end, void *workspace) {
+ENTRY int attend_part(const AttendArgs *x, int64_t chunks, int64_t begin, int64_t end, void *workspace) {
     const int refused = attend_refused(x, 4);
     if (refused) return refused;
 #ifdef HAVE_VECTORS
@@ -1254,7 +1260,7 @@ typedef struct {
 } KeepArgs;
 
 /* The decisions of x->out on `threads` OpenMP threads; returns 1 for a threshold outside [0, 2^15]. */
-int keep_mask(const KeepArgs *x, int threads) {
+ENTRY int keep_mask(const KeepArgs *x, int threads) {
     if (x->threshold < 0 || x->threshold > (1 << 15)) return 1;
     uint8_t *out = x->out;
     const int64_t draws = x->count / 4;
@@ -1273,7 +1279,7 @@ int keep_mask(const KeepArgs *x, int threads) {
 
 /* The vector set the kernels were built for: "avx512", "avx2", "neon", or "none" (then only the element-by-element
    code is here, and native.py does not use the library). */
-const char *instruction_set(void) {
+ENTRY const char *instruction_set(void) {
 #ifdef HAVE_VECTORS
     return VECTOR_SET;
 #else

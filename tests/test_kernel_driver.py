@@ -371,3 +371,27 @@ def test_the_source_builds_warning_free(tmp_path, compiler, target, source):
     if built.returncode and "omp.h" in built.stderr:
         pytest.skip(f"{command[0]} has no OpenMP header here (Debian: libomp-dev for clang)")
     assert built.returncode == 0, built.stderr
+
+
+@pytest.mark.parametrize("compiler", ["gcc", "clang"])
+@pytest.mark.parametrize("machine", list(ort_operator.UNITS))
+def test_the_operator_library_builds_warning_free(tmp_path, compiler, machine):
+    """The operator library for every processor of a machine kind, built by the product's own commands
+    (`ort_operator.build_commands`: each set's unit of ort_attention.c without OpenMP, the dispatcher, the link) with
+    -Wall -Wextra -Werror, with gcc and with clang (aarch64: Debian's cross gcc, clang's own --target)."""
+    if machine == ort_operator.machine_kind():
+        command = compiler
+    elif compiler == "gcc":
+        command = ort_operator.CROSS_COMPILERS.get(machine, "")
+    else:
+        command = f"clang --target={machine}-linux-gnu"
+        if machine != "aarch64" or not (AARCH64_SYSROOT / "include" / "stdint.h").is_file():
+            pytest.skip(f"no {machine} C library headers here (Debian: libc6-dev-arm64-cross)")
+    if not command or shutil.which(command.split()[0]) is None:
+        pytest.skip(f"no {command or 'compiler'} for {machine} here")
+    commands = ort_operator.build_commands(
+        "COMPILER", machine, tmp_path / "library.so", ("-Wall", "-Wextra", "-Werror")
+    )
+    for step in commands[:-1]:  # the compiles; linking another machine's objects needs its C library
+        built = subprocess.run([*command.split(), *step[1:]], capture_output=True, text=True)
+        assert built.returncode == 0, built.stderr

@@ -7,8 +7,13 @@ torch.onnx.export itself; the refusals (both graphs asked for, bad shapes, no op
 
 from __future__ import annotations
 
+import ctypes
+import json
 import math
+import os
 import re
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -187,7 +192,12 @@ def test_the_command_writes_the_kernel_graph(tmp_path, capsys):
     printed = capsys.readouterr()
     assert "disentangled::Attention" in printed.out and "wrote" in printed.out
     assert "Warning" not in printed.out + printed.err
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["model", "model.onnx"]
+    library = ort_operator.library_name()
+    assert sorted(path.name for path in tmp_path.iterdir()) == [ort_operator.SIDECAR, library, "model", "model.onnx"]
+    assert f"and beside it {library}" in printed.out
+    described = json.loads((tmp_path / ort_operator.SIDECAR).read_text())
+    assert described["operator"] == "disentangled::Attention" and described["version"] == ort_operator.OPERATOR_VERSION
+    assert described["libraries"][library]["instruction_sets"] == list(ort_operator.UNITS[ort_operator.machine_kind()])
     graph = onnx.load(str(output)).graph
     assert onnx_export.kernel_nodes(graph) == 2
     # the feed-forward's bias and exact GELU, one node per layer (lean_graph's fusion)
@@ -324,3 +334,116 @@ def test_threads_share_one_kernel_session(tmp_path, threads):
         with torch.no_grad():
             expected = model(**inputs).last_hidden_state
         assert (torch.from_numpy(output) - expected).abs().max().item() <= TOLERANCE
+
+
+def shipped_library(folder) -> ctypes.CDLL:
+    """The library `export-onnx --kernel` writes, loaded with ctypes (it needs no ONNX Runtime to answer)."""
+    loaded = ctypes.CDLL(str(ort_operator.write_library(folder)))
+    loaded.disentangled_instruction_set.restype = ctypes.c_char_p
+    return loaded
+
+
+def kernel_outputs(path, feeds: dict) -> list:
+    options = onnxruntime.SessionOptions()
+    ort_operator.register(options, graph=path)
+    runner = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return runner.run(None, feeds)
+
+
+def test_the_shipped_library_needs_only_the_c_library(tmp_path, monkeypatch):
+    """The library written beside the graph, as the system's compiler builds it (CC unset: the sanitizer's runtimes
+    are CI's, not the product's): ldd shows the C library, libm and the loader only (no OpenMP runtime), and it
+    exports ONNX Runtime's entry and its two questions, none of its units' names."""
+    if shutil.which("ldd") is None or shutil.which("nm") is None:
+        pytest.skip("no ldd or nm here")
+    monkeypatch.delenv("CC", raising=False)
+    path = ort_operator.write_library(tmp_path)
+    plain = {key: value for key, value in os.environ.items() if key != "LD_PRELOAD"}
+    linked = subprocess.run(["ldd", str(path)], capture_output=True, text=True, env=plain, check=True).stdout
+    names = sorted(line.split()[0].rsplit("/", 1)[-1] for line in linked.splitlines() if line.strip())
+    print(linked)
+    assert all(
+        re.fullmatch(r"linux-vdso\.so\.1|libc\.so\.6|libm\.so\.6|ld-linux[\w.-]*\.so\.\d", name) for name in names
+    )
+    exported = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True)
+    symbols = sorted(line.split()[-1] for line in exported.stdout.splitlines() if line.strip())
+    assert symbols == ["RegisterCustomOps", "disentangled_instruction_set", "disentangled_operator_version"]
+
+
+def test_the_library_runs_avx2_as_avx512(tmp_path, monkeypatch):
+    """On a processor with AVX-512, DISENTANGLED_CPU_ISA=avx2 makes the shipped library run its AVX2 unit (the one
+    an AVX2 server runs): the same numbers as its AVX-512 unit, and both PyTorch's within 1e-5, on padded batches
+    of ragged lengths through a whole exported model."""
+    if native._processor_sets()[0][0] != "avx512":
+        pytest.skip("this processor has no AVX-512: the library runs its AVX2 unit already")
+    folder = save_model(tmp_path, "DisentangledModel", "v3")
+    model, task = onnx_export.load_model(folder)
+    path = tmp_path / "model.onnx"
+    onnx_export.export(model, task, path, kernel=True)
+    library = shipped_library(tmp_path)
+    batches = [onnx_export.example_inputs(model.config, "base", 3, length, seed=length) for length in (7, 40, 90)]
+    feeds = [{name: value.numpy() for name, value in inputs.items()} for inputs in batches]
+    outputs = {}
+    for name in ("avx512", "avx2"):
+        monkeypatch.setenv("DISENTANGLED_CPU_ISA", name)
+        assert library.disentangled_instruction_set().decode() == name
+        outputs[name] = [kernel_outputs(path, feed)[0] for feed in feeds]
+    for inputs, avx512, avx2 in zip(batches, outputs["avx512"], outputs["avx2"]):
+        with torch.no_grad():
+            expected = model(**inputs).last_hidden_state
+        between = abs(avx512 - avx2).max()
+        print(f"{tuple(avx2.shape)}: AVX2 vs AVX-512 {between:.1e}, AVX2 vs PyTorch "
+              f"{(torch.from_numpy(avx2) - expected).abs().max().item():.1e}")  # fmt: skip
+        assert between <= 1e-6
+        assert (torch.from_numpy(avx2) - expected).abs().max().item() <= TOLERANCE
+        assert (torch.from_numpy(avx512) - expected).abs().max().item() <= TOLERANCE
+
+
+def test_the_library_refuses_what_it_cannot_run(tmp_path, monkeypatch):
+    """A set asked for that the library lacks is an ONNX Runtime error when the session is made; a graph written for
+    another operator version too, naming both versions; the exported graph carries this version."""
+    folder = save_model(tmp_path, "DisentangledModel", "v3")
+    model, task = onnx_export.load_model(folder)
+    path = tmp_path / "model.onnx"
+    onnx_export.export(model, task, path, kernel=True)
+    library = shipped_library(tmp_path)
+    assert library.disentangled_operator_version() == ort_operator.OPERATOR_VERSION
+    proto = onnx.load(str(path))
+    domains = {opset.domain: opset.version for opset in proto.opset_import}
+    assert domains[ort_operator.DOMAIN] == ort_operator.OPERATOR_VERSION
+    nodes = [node for node in proto.graph.node if node.domain == ort_operator.DOMAIN]
+    assert [onnx.helper.get_attribute_value(next(a for a in node.attribute if a.name == "version")) for node in nodes] == [
+        ort_operator.OPERATOR_VERSION
+    ] * len(nodes)  # fmt: skip
+    feed = {name: value.numpy() for name, value in onnx_export.example_inputs(model.config, "base", 2, 9).items()}
+    for node in nodes:
+        next(a for a in node.attribute if a.name == "version").i = ort_operator.OPERATOR_VERSION + 1
+    onnx.save(proto, str(tmp_path / "later.onnx"))
+    with pytest.raises(Exception, match=f"written for version {ort_operator.OPERATOR_VERSION + 1} of the operator"):
+        kernel_outputs(tmp_path / "later.onnx", feed)
+    monkeypatch.setenv("DISENTANGLED_CPU_ISA", "sse2")
+    assert library.disentangled_instruction_set().decode().startswith("none: DISENTANGLED_CPU_ISA=sse2 names no set")
+    with pytest.raises(Exception, match="disentangled::Attention cannot run here: DISENTANGLED_CPU_ISA=sse2"):
+        kernel_outputs(path, feed)
+
+
+@pytest.mark.parametrize(("processor", "expected"), [("Haswell", "avx2"), ("Nehalem", "none: this processor has")])
+def test_the_library_chooses_from_the_processor(tmp_path, processor, expected):
+    """Under qemu-user's x86-64 emulation of an AVX2 processor (Haswell) and of one with neither set (Nehalem): the
+    library loads (no vector instruction runs before the choice) and chooses AVX2, or none with the reason."""
+    emulator = shutil.which("qemu-x86_64")
+    if ort_operator.machine_kind() != "x86_64" or emulator is None:
+        pytest.skip("needs an x86-64 machine and qemu-user's qemu-x86_64")
+    path = ort_operator.write_library(tmp_path)
+    ask = (
+        f"import ctypes; library = ctypes.CDLL({str(path)!r}); "
+        "library.disentangled_instruction_set.restype = ctypes.c_char_p; "
+        "print(library.disentangled_instruction_set().decode())"
+    )
+    plain = {key: value for key, value in os.environ.items() if key not in ("LD_PRELOAD", "DISENTANGLED_CPU_ISA")}
+    answer = subprocess.run(
+        [emulator, "-cpu", processor, os.path.realpath(shutil.which("python3")), "-S", "-c", ask],
+        capture_output=True, text=True, env=plain, timeout=120,
+    )  # fmt: skip
+    assert answer.returncode == 0, answer.stderr
+    assert answer.stdout.startswith(expected), answer.stdout

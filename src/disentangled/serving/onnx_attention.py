@@ -40,6 +40,7 @@ from torch.nn import functional as F
 from ..modeling import native, sdpa_attention
 from ..modeling.disentangled_attention import PositionScores, relative_index_by_distance
 from ..modeling.workspace import int32_column, per_forward
+from . import ort_operator
 
 GRAPHS = ("fused", "kernel", "portable")
 _graph = "fused"
@@ -200,10 +201,10 @@ def kernel_attention(
     context = torch.onnx.ops.symbolic(
         f"{KERNEL_DOMAIN}::Attention",
         [*inputs, *tables, column, c2p_column, keep],
-        {"heads": heads, "scale": float(scaling)},
+        {"heads": heads, "scale": float(scaling), "version": ort_operator.OPERATOR_VERSION},  # checked by the library
         dtype=query.dtype,
         shape=(batch, length, heads * dim),
-        version=1,
+        version=ort_operator.OPERATOR_VERSION,
     )
     return context.unflatten(-1, (heads, dim))
 

@@ -399,8 +399,9 @@ def onnxruntime_version() -> str:
 
 def session(path: str | Path, threads: int | None = None, spinning: bool = True):
     """An onnxruntime CPU session with every graph optimization on (the int8 fusions need them), our operator's
-    library loaded where the graph has `disentangled::Attention` (`--kernel`). `spinning` False stops idle threads
-    from spinning between calls (fairer when other work shares the cores)."""
+    library loaded where the graph has `disentangled::Attention` (`--kernel`; the library written beside the graph,
+    else this package's build). `spinning` False stops idle threads from spinning between calls (fairer when other
+    work shares the cores)."""
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
@@ -410,7 +411,7 @@ def session(path: str | Path, threads: int | None = None, spinning: bool = True)
     if not spinning:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if ort_operator.needs_operator(path):
-        ort_operator.register(options)
+        ort_operator.register(options, graph=path)
     return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
@@ -616,8 +617,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kernel",
         action="store_true",
-        help="the attention as our compiled operator disentangled::Attention (fastest in ONNX Runtime on the CPU; "
-        "the session must load its library: disentangled.serving.ort_operator.register(options))",
+        help="the attention as our compiled operator disentangled::Attention (fastest in ONNX Runtime on the CPU); "
+        "its library for any processor of this machine kind is written beside OUT.onnx, for the session to load "
+        "(options.register_custom_ops_library)",
     )
     parser.add_argument(
         "--attn-implementation",
@@ -680,6 +682,8 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.stem}-") as folder:
         written = Path(folder) / output.name  # beside OUT.onnx, moved there only once complete and checked
         export(model, task, written, opset=args.opset, portable=args.portable, kernel=args.kernel and not portable)
+        if args.kernel and not portable:  # the operator's library for the serving machine, which the check loads
+            library = ort_operator.write_library(folder)
         lean_graph(written, fuse=not portable)
         if args.quantize == "int8":
             quantize_int8(written, Path(folder) / "int8.onnx")
@@ -701,10 +705,17 @@ def run(args: argparse.Namespace) -> int:
             if status:
                 print(f"nothing written to {output}")
                 return status
-        for file in Path(folder).iterdir():  # OUT.onnx and its external data, if the exporter wrote any
+        for file in Path(folder).iterdir():  # OUT.onnx, its external data if any, the operator's library
             if file.is_file():
                 os.replace(file, output.parent / file.name)
     print(f"wrote {output}")
+    if args.kernel and not portable:
+        sets = " or ".join(ort_operator.UNITS[ort_operator.machine_kind()])
+        print(
+            f"  and beside it {library.name} (the operator's library for any {ort_operator.machine_kind()} processor "
+            f"with {sets}; it needs the C library alone) and {ort_operator.SIDECAR}; a session loads it with "
+            "options.register_custom_ops_library(path)"
+        )
     if not portable and not args.kernel:  # a hint only: the library is built when a session first needs it
         print(
             "  (--kernel writes our attention operator instead: faster on the CPU, for sessions that load this "

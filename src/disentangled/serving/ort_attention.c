@@ -19,7 +19,16 @@
    columns, c2p_column column's mirror). A violation is an INVALID_ARGUMENT error naming the input, the entry and
    the rule (SECURITY.md says how this is tested).
 
-   Built by ort_operator.py with the instruction set's flags (native.py), this file and position_bias.c in one unit.
+   Versions: the node's `version` attribute names the operator version the graph was written for (absent: 1, the
+   graphs written before it); a library of another version refuses the graph when the session is made, naming both,
+   so that a graph never runs on a library that would compute something else. OPERATOR_VERSION changes with any
+   change of the inputs, attributes or what they mean (ort_operator.OPERATOR_VERSION says the same).
+
+   Built by ort_operator.py once per instruction set, each with this file and position_bias.c in one unit, with
+   -DORT_UNIT=register_<set>: the unit's RegisterCustomOps takes that name and position_bias.c's entries are local to
+   the unit, so that the units of several sets share one library whose ort_dispatch.c chooses among them. No OpenMP:
+   the operator runs on ONNX Runtime's threads (position_bias.c's pragmas are then ignored). Built alone (no
+   ORT_UNIT), this file defines RegisterCustomOps for the set its flags name.
    ONNX Runtime's C API is reached through the OrtApiBase it hands RegisterCustomOps: a table of function pointers
    whose order ONNX Runtime never changes (new functions are appended), so the few used here are called by their
    place in the table (API_*, checked against onnxruntime_c_api.h of API version 29; each exists from version 17 on,
@@ -29,7 +38,17 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* sched_getaffinity */
 #endif
+#ifdef ORT_UNIT
+#define ENTRY static __attribute__((unused)) /* position_bias.c's entries: this unit's own */
+/* built without OpenMP: its pragmas are ignored, and the thread counts only they read are unused */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunknown-pragmas"
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#endif
 #include "position_bias.c"
+#ifdef ORT_UNIT
+#pragma GCC diagnostic pop
+#endif
 
 #include <sched.h>
 #include <stdatomic.h>
@@ -57,6 +76,7 @@ enum {
     API_KERNEL_CONTEXT_PARALLEL_FOR = 274,
 };
 #define API_VERSION 17 /* ONNX Runtime 1.17: the first with KernelContext_ParallelFor */
+#define OPERATOR_VERSION 1
 
 /* ONNXTensorElementDataType, OrtErrorCode, OrtCustomOpInputOutputCharacteristic: the values used here */
 enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2, TYPE_INT32 = 6 };
@@ -125,6 +145,21 @@ static OrtStatus *create_kernel(const CustomOp *op, const ApiEntry *given, const
             info, "heads", &kernel->heads);
     if (status == NULL && (kernel->heads < 1 || kernel->heads > INT32_MAX / DIM))
         status = fail(ERROR_INVALID_ARGUMENT, "disentangled::Attention: the heads attribute must lie in [1, 2^31 / 64)");
+    int64_t version = 1;
+    if (status == NULL) {
+        OrtStatus *absent = CALL(API_KERNEL_INFO_GET_ATTRIBUTE_INT64,
+                                 OrtStatus * (*)(const void *, const char *, int64_t *))(info, "version", &version);
+        if (absent != NULL) CALL(API_RELEASE_STATUS, ReleaseFn)(absent), version = 1; /* a graph from before it */
+    }
+    if (status == NULL && version != OPERATOR_VERSION) {
+        char message[512];
+        snprintf(message, sizeof(message),
+                 "disentangled::Attention: the graph was written for version %lld of the operator, and this library "
+                 "runs version %d. Load the library that disentangled export-onnx --kernel wrote beside the graph, "
+                 "or export the graph again with the package that built this library",
+                 (long long)version, OPERATOR_VERSION);
+        status = fail(ERROR_INVALID_ARGUMENT, message);
+    }
     if (status != NULL) {
         free(kernel);
         return status;
@@ -387,8 +422,15 @@ static const CustomOp attention_op = {
     .kernel_compute_v2 = compute,
 };
 
-/* ONNX Runtime calls this when a session's options load the library (register_custom_ops_library). */
-OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const ApiBase *base) {
+/* ONNX Runtime calls this when a session's options load the library (register_custom_ops_library); in a unit of
+   the library for several sets, ort_dispatch.c's RegisterCustomOps calls it by the unit's name. */
+#ifdef ORT_UNIT
+#define REGISTER ORT_UNIT
+__attribute__((visibility("hidden"))) OrtStatus *REGISTER(OrtSessionOptions *options, const ApiBase *base);
+#else
+#define REGISTER RegisterCustomOps
+#endif
+OrtStatus *REGISTER(OrtSessionOptions *options, const ApiBase *base) {
     api = base->get_api(API_VERSION);
     if (api == NULL) return NULL; /* older than 1.17: nothing can be reported through the table; see ort_version */
     if (!strcmp(instruction_set(), "none"))
