@@ -449,3 +449,44 @@ def test_the_library_chooses_from_the_processor(tmp_path, monkeypatch, processor
     )  # fmt: skip
     assert answer.returncode == 0, answer.stderr
     assert answer.stdout.startswith(expected), answer.stdout
+
+
+def test_the_command_writes_the_aarch64_library_too(tmp_path, monkeypatch):
+    """--kernel-for aarch64 on another machine: the aarch64 library beside the graph too (Debian's cross compiler),
+    both in the sidecar; it needs the C library alone, and under qemu-user a program of that machine loads it and
+    hears version and set (NEON)."""
+    if ort_operator.machine_kind() == "aarch64":
+        pytest.skip("this is an aarch64 machine: --kernel writes its library already")
+    compiler, emulator = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    if compiler is None or emulator is None or shutil.which("readelf") is None:
+        pytest.skip("needs aarch64-linux-gnu-gcc, qemu-aarch64 and readelf")
+    monkeypatch.delenv("CC", raising=False)  # the cross compiler is the plain one: the libraries as shipped
+    folder = save_model(tmp_path, "DisentangledModel", "v3")
+    assert run_cli(str(folder), str(tmp_path / "model.onnx"), "--kernel", "--kernel-for", "aarch64", "--no-check") == 0
+    library = tmp_path / ort_operator.library_name("aarch64")
+    described = json.loads((tmp_path / ort_operator.SIDECAR).read_text())
+    assert described["libraries"][library.name]["instruction_sets"] == ["neon"]
+    assert ort_operator.library_name() in described["libraries"]
+    dynamic = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True, check=True).stdout
+    assert sorted(re.findall(r"\(NEEDED\)\s+Shared library: \[(.*?)\]", dynamic)) == ["libc.so.6", "libm.so.6"]
+    ask = tmp_path / "ask.c"
+    ask.write_text(
+        "#include <dlfcn.h>\n#include <stdio.h>\n"
+        "int main(int argc, char **argv) {\n"
+        "    (void)argc;\n"
+        "    void *library = dlopen(argv[1], RTLD_NOW);\n"
+        "    if (!library) return puts(dlerror()), 1;\n"
+        '    int (*version)(void) = (int (*)(void))dlsym(library, "disentangled_operator_version");\n'
+        '    const char *(*set)(void) = (const char *(*)(void))dlsym(library, "disentangled_instruction_set");\n'
+        '    printf("%d %s\\n", version(), set());\n'
+        "    return 0;\n"
+        "}\n"
+    )
+    subprocess.run([compiler, str(ask), "-o", str(tmp_path / "ask"), "-ldl"], check=True, capture_output=True)
+    plain = {key: value for key, value in os.environ.items() if key not in ("LD_PRELOAD", "DISENTANGLED_CPU_ISA")}
+    answer = subprocess.run(
+        [emulator, "-L", "/usr/aarch64-linux-gnu", str(tmp_path / "ask"), str(library)],
+        capture_output=True, text=True, env=plain, timeout=120,
+    )  # fmt: skip
+    assert answer.stdout.strip() == f"{ort_operator.OPERATOR_VERSION} neon", answer.stdout + answer.stderr
+    assert run_cli(str(folder), str(tmp_path / "b.onnx"), "--kernel-for", "aarch64") == 2

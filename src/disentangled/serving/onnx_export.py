@@ -622,6 +622,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(options.register_custom_ops_library)",
     )
     parser.add_argument(
+        "--kernel-for",
+        metavar="MACHINE",
+        action="append",
+        default=[],
+        choices=list(ort_operator.UNITS),
+        help="with --kernel: also write the operator's library for this machine kind (x86_64, aarch64), built with "
+        "its cross compiler (aarch64-linux-gnu-gcc); repeatable",
+    )
+    parser.add_argument(
         "--attn-implementation",
         default=DEFAULT_ATTENTION,
         help=f"attention backend traced into the graph (default {DEFAULT_ATTENTION}: the fused graph; eager writes "
@@ -676,14 +685,21 @@ def run(args: argparse.Namespace) -> int:
     texts = read_check_texts(args.check_texts, args.text_column, args.check_max_texts) if args.check_texts else None
     if args.portable and args.kernel:
         raise ValueError("--portable and --kernel ask for two different graphs: pass one of them")
+    if args.kernel_for and not args.kernel:
+        raise ValueError("--kernel-for writes the library of the --kernel graph: add --kernel")
     if args.kernel:
         ort_operator.library_path()  # a ValueError now, before the export, where the operator cannot run here
+    machines = sorted({ort_operator.machine_kind(), *args.kernel_for}, key=list(ort_operator.UNITS).index)
+    for machine in machines if args.kernel else []:  # the same for another machine kind's library
+        library, why = ort_operator.build(machine)
+        if library is None:
+            raise ValueError(f"--kernel-for {machine}: {why}")
     portable = args.portable or not fused_layers(model)
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.stem}-") as folder:
         written = Path(folder) / output.name  # beside OUT.onnx, moved there only once complete and checked
         export(model, task, written, opset=args.opset, portable=args.portable, kernel=args.kernel and not portable)
-        if args.kernel and not portable:  # the operator's library for the serving machine, which the check loads
-            library = ort_operator.write_library(folder)
+        if args.kernel and not portable:  # the operator's libraries for the serving machines; the check loads ours
+            libraries = [ort_operator.write_library(folder, machine) for machine in machines]
         lean_graph(written, fuse=not portable)
         if args.quantize == "int8":
             quantize_int8(written, Path(folder) / "int8.onnx")
@@ -710,12 +726,13 @@ def run(args: argparse.Namespace) -> int:
                 os.replace(file, output.parent / file.name)
     print(f"wrote {output}")
     if args.kernel and not portable:
-        sets = " or ".join(ort_operator.UNITS[ort_operator.machine_kind()])
-        print(
-            f"  and beside it {library.name} (the operator's library for any {ort_operator.machine_kind()} processor "
-            f"with {sets}; it needs the C library alone) and {ort_operator.SIDECAR}; a session loads it with "
-            "options.register_custom_ops_library(path)"
-        )
+        for library, machine in zip(libraries, machines):
+            sets = " or ".join(ort_operator.UNITS[machine])
+            print(
+                f"  and beside it {library.name}: the operator's library for any {machine} processor with {sets}, "
+                "needing the C library alone; a session loads it with options.register_custom_ops_library(path)"
+            )
+        print(f"  and {ort_operator.SIDECAR}: the operator's version and each library's instruction sets")
     if not portable and not args.kernel:  # a hint only: the library is built when a session first needs it
         print(
             "  (--kernel writes our attention operator instead: faster on the CPU, for sessions that load this "
