@@ -64,43 +64,42 @@ static int sets(Set *out) {
 #error "the operator library is built for x86-64 and aarch64"
 #endif
 
-/* The unit to run, or NULL with the reason in `why`. */
-static const Set *choose(char *why, size_t size) {
-    static Set all[4];
+/* The unit to run, or one with no name, the reason in `why` (nothing static: sessions may be made on many threads). */
+static Set choose(char *why, size_t size) {
+    Set all[4];
     const int count = sets(all);
     const char *asked = getenv("DISENTANGLED_CPU_ISA");
     if (asked != NULL && *asked != '\0') {
         for (int i = 0; i < count; i++) {
             if (strcmp(asked, all[i].name) != 0) continue;
-            if (all[i].runs) return &all[i];
+            if (all[i].runs) return all[i];
             snprintf(why, size, "DISENTANGLED_CPU_ISA=%s asks for a set this processor does not run", asked);
-            return NULL;
+            return (Set){0};
         }
         snprintf(why, size, "DISENTANGLED_CPU_ISA=%s names no set of this library (it has", asked);
         for (int i = 0; i < count; i++) snprintf(why + strlen(why), size - strlen(why), " %s", all[i].name);
         snprintf(why + strlen(why), size - strlen(why), "); unset it for the best this processor runs");
-        return NULL;
+        return (Set){0};
     }
     for (int i = 0; i < count; i++)
-        if (all[i].runs) return &all[i];
+        if (all[i].runs) return all[i];
     snprintf(why, size, "this processor has neither of " LACKING ", the instruction sets the kernel is built for");
-    return NULL;
+    return (Set){0};
 }
 
 int disentangled_operator_version(void) { return OPERATOR_VERSION; }
 
+/* For a diagnosis from one thread (ctypes): the answer of the last call. */
 const char *disentangled_instruction_set(void) {
-    static char answer[320];
-    const Set *set = choose(answer + 6, sizeof(answer) - 6);
-    if (set != NULL) return set->name;
-    memcpy(answer, "none: ", 6);
-    return answer;
+    static char answer[320] = "none: ";
+    const Set set = choose(answer + 6, sizeof(answer) - 6);
+    return set.name != NULL ? set.name : answer;
 }
 
 OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const ApiBase *base) {
     char why[256], message[384];
-    const Set *set = choose(why, sizeof(why));
-    if (set != NULL) return set->register_unit(options, base);
+    const Set set = choose(why, sizeof(why));
+    if (set.name != NULL) return set.register_unit(options, base);
     const ApiEntry *api = base->get_api(API_VERSION);
     if (api == NULL) return NULL; /* older than 1.17: nothing can be reported through the table */
     snprintf(message, sizeof(message), "disentangled::Attention cannot run here: %s", why);
