@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -427,28 +428,63 @@ def test_the_library_refuses_what_it_cannot_run(tmp_path, monkeypatch):
         kernel_outputs(path, feed)
 
 
-@pytest.mark.parametrize(("processor", "expected"), [("Haswell", "avx2"), ("Nehalem", "none: this processor has")])
-def test_the_library_chooses_from_the_processor(tmp_path, monkeypatch, processor, expected):
-    """Under qemu-user's x86-64 emulation of an AVX2 processor (Haswell) and of one with neither set (Nehalem): the
-    library loads (no vector instruction runs before the choice) and chooses AVX2, or none with the reason. Built as
-    shipped (CC unset: a sanitizer's build needs its runtime preloaded, which the emulated Python has not)."""
+EMULATED = (  # in ONNX Runtime under emulation: the set the library reports, then the session's outputs or error
+    "import ctypes, sys, numpy, onnxruntime\n"
+    "library = ctypes.CDLL(sys.argv[1])\n"
+    "library.disentangled_instruction_set.restype = ctypes.c_char_p\n"
+    "print(library.disentangled_instruction_set().decode())\n"
+    "options = onnxruntime.SessionOptions()\n"
+    "options.intra_op_num_threads = 1\n"
+    "options.register_custom_ops_library(sys.argv[1])\n"
+    "try:\n"
+    "    runner = onnxruntime.InferenceSession('graph.onnx', options, providers=['CPUExecutionProvider'])\n"
+    "except Exception as error:\n"
+    "    sys.exit(str(error))\n"
+    "numpy.save('out.npy', runner.run(None, dict(numpy.load('feeds.npz')))[0])\n"
+)
+
+
+@pytest.mark.parametrize("processor", ["Haswell", "Nehalem"])
+def test_the_library_chooses_from_the_processor(tmp_path, monkeypatch, processor):
+    """ONNX Runtime under qemu-user's x86-64 emulation of an AVX2 processor without AVX-512 (Haswell) and of one with
+    neither set (Nehalem): the library loads (no vector instruction runs before the choice); on Haswell it runs its
+    AVX2 unit and gives this machine's numbers, on Nehalem the session is refused with the reason. Built as shipped
+    (CC unset: a sanitizer's build needs its runtime preloaded, which the emulated Python has not)."""
     emulator = shutil.which("qemu-x86_64")
     if ort_operator.machine_kind() != "x86_64" or emulator is None:
         pytest.skip("needs an x86-64 machine and qemu-user's qemu-x86_64")
     monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv("DISENTANGLED_CPU_ISA", raising=False)
     path = ort_operator.write_library(tmp_path)
-    ask = (
-        f"import ctypes; library = ctypes.CDLL({str(path)!r}); "
-        "library.disentangled_instruction_set.restype = ctypes.c_char_p; "
-        "print(library.disentangled_instruction_set().decode())"
-    )
-    plain = {key: value for key, value in os.environ.items() if key not in ("LD_PRELOAD", "DISENTANGLED_CPU_ISA")}
+    torch.manual_seed(0)
+    batch, heads, length = 2, 2, 37
+    positions = RelativePositions.build(length, span=8, bucket_size=8, max_position=64, device="cpu")
+    column = positions.column.to(torch.int32)
+    feeds = {name: torch.randn(batch, length, heads * 64).numpy() for name in ("query", "key", "value")}
+    for name, reverse in (("pos_key", True), ("pos_query", False)):
+        table = torch.randn(heads, positions.width, 64) * 0.1
+        feeds[name] = onnx_attention.kernel_tables(table, reverse=reverse).contiguous().numpy()
+    feeds |= {"column": column.numpy(), "c2p_column": ((positions.width - 1) - column.flip(0)).numpy()}
+    graph = operator_graph(True, True, False, heads, 0.125)
+    (tmp_path / "graph.onnx").write_bytes(graph.SerializeToString())
+    import numpy
+
+    numpy.savez(tmp_path / "feeds.npz", **feeds)
+    plain = {key: value for key, value in os.environ.items() if key != "LD_PRELOAD"}
     answer = subprocess.run(
-        [emulator, "-cpu", processor, os.path.realpath(shutil.which("python3")), "-S", "-c", ask],
-        capture_output=True, text=True, env=plain, timeout=120,
+        [emulator, "-cpu", processor, os.path.realpath(sys.executable), "-c", EMULATED, str(path)],
+        capture_output=True, text=True, env=plain, timeout=300, cwd=tmp_path,
     )  # fmt: skip
+    if processor == "Nehalem":
+        assert answer.stdout.startswith("none: this processor has neither"), answer.stdout
+        assert "disentangled::Attention cannot run here: this processor has neither" in answer.stderr
+        return
     assert answer.returncode == 0, answer.stderr
-    assert answer.stdout.startswith(expected), answer.stdout
+    assert answer.stdout.strip() == "avx2"
+    here = kernel_outputs(tmp_path / "graph.onnx", feeds)[0]
+    emulated = numpy.load(tmp_path / "out.npy")
+    print(f"{processor} under emulation vs this processor: {abs(emulated - here).max():.1e}")
+    assert abs(emulated - here).max() <= 1e-6
 
 
 def test_the_command_writes_the_aarch64_library_too(tmp_path, monkeypatch):
