@@ -527,8 +527,8 @@ def hankel_bias(
 
     c2p: [g, H, n, W], the block's rows against Kr; p2c: [g, H, L, W], the reversed keys against Qr; each in the
     output's dtype with a contiguous last dimension; either may be None. column: int32, the table column of row a
-    and key b at a + b (from the block's first row on; at least n + L - 1 of them). `tiled`: 16 consecutive entries
-    of `column` ascend within 16 consecutive columns (`RelativePositions.kernel_columns` is not None), so that whole
+    and key b at a + b (from the block's first row on; at least n + L - 1 of them). `tiled`: `column` steps by at most
+    one column per entry (`tiles_hold`; `kernel_columns` is not None), so that whole
     16 x 16 tiles run with vectors; else element by element. With `band`, both tables are banded (`Band`): each
     line holds only the columns that its tile reads, which the kernel checks (`column` ascends)."""
     return _hankel("hankel_bias", out, c2p, p2c, column, tiled, False, band)

@@ -17,7 +17,8 @@
    AVX-512 (position_bias_avx512.h), AVX2 + FMA (position_bias_avx2.h) and aarch64's NEON (position_bias_neon.h);
    position_bias_avx512.h says what each function does. Built for none of them, instruction_set() says "none" and
    native.py does not use the library. In a tile, the 16 columns that 16 consecutive distances read lie within 16
-   consecutive table columns (native.py checks it), so each term is one load of 16 columns, permuted where the
+   consecutive table columns (one distance more reads the same column or the next: the contract below), so each
+   term is one load of 16 columns, permuted where the
    columns are not 16 distinct ones (the log buckets) -- no gathers, which are slow on Xeons with the GDS
    mitigation. c2p is read along the tile's rows; p2c along its columns (one key's 16 rows) and transposed in
    registers. A tile whose every distance reads the table's first or last column (beyond the buckets' reach) is a
@@ -346,8 +347,8 @@ ENTRY int position_bias(const BiasArgs *args, int64_t element_size, int64_t plan
    rounded once to bfloat16 where the tensors are bfloat16: the gradients are summed 16 table rows at a time in a
    float32 band, which is then written to (or added to) the table.
 
-   `tiled` (the columns of 16 consecutive distances lie within 16 consecutive table columns, as position_bias's
-   tiles need): whole 16 x 16 tiles run with vectors. In a tile the 16 columns of row a0 + r (keys b0 ..) and of
+   `tiled` (one distance more reads the same column or the next, as position_bias's tiles need; the contract's rule
+   1): whole 16 x 16 tiles run with vectors. In a tile the 16 columns of row a0 + r (keys b0 ..) and of
    key b0 + r (rows a0 ..) are both column[a0 + b0 + r ..], so each row of T and each row of U is read with one
    load of those columns, permuted (U's along the tile's columns, transposed in registers); the backward transposes
    dS's tiles the same way for dU and adds each row's 16 values into its 16 columns of the band, summing those that

@@ -159,9 +159,9 @@ def kernel_tables(relative: Tensor, reverse: bool) -> Tensor:
 
 
 def kernel_columns(positions) -> tuple[Tensor, Tensor]:
-    """`native.kernel_columns`' two int32 vectors, made once per forward, without its check that 16 consecutive
-    distances read at most 16 consecutive columns (a data-dependent branch a traced graph cannot hold; true of every
-    released bucket setting, and the export's parity check runs after)."""
+    """`native.kernel_columns`' two int32 vectors, made once per forward, without its check that the tiles can read
+    them (`native.tiles_hold`: a data-dependent branch a traced graph cannot hold; `refuse_untileable` checks the
+    configuration before the export, and the operator checks the vectors on every call)."""
     column = int32_column(positions)
     return column, per_forward(positions, "c2p column", lambda positions: (positions.width - 1) - column.flip(0))
 

@@ -15,8 +15,8 @@
    PyTorch's attention.
 
    The graph is not trusted: before any kernel work, every shape is checked, and every value the kernel indexes with
-   against position_bias.c's contract (the columns inside [0, W), ascending, 16 consecutive distances within 16
-   columns, c2p_column column's mirror). A violation is an INVALID_ARGUMENT error naming the input, the entry and
+   against position_bias.c's contract (the columns inside [0, W), ascending by at most one column per distance,
+   c2p_column column's mirror). A violation is an INVALID_ARGUMENT error naming the input, the entry and
    the rule (SECURITY.md says how this is tested).
 
    Versions: the node's `version` attribute names the operator version the graph was written for (absent: 1, the
