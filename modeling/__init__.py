@@ -1,4 +1,5 @@
-"""The architecture: the model, its heads and the attention backends, flat because the Hub bundle is these files.
+"""The architecture: the model, its heads and the attention backends, flat because the Hub bundle is these files (all
+but `native.py` and `kernel_check.py`, which are the package's: `conversion/bundle.py` lists what runs there).
 
 The files are layered, each computing what the one below it computes (the tests hold each to the reference):
 

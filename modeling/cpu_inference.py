@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from .disentangled_attention import PositionScores, RelativePositions, _block_mask, _by_head
-from .native import as_key_tiles, attend, kernel_columns, position_bias, workspace_bytes
+from .dispatch import KERNEL_TABLE_ELEMENTS, native
 from .workspace import _scratch
 
 # The CPU flash kernel, which also returns the log-sum-exp (None on torch without it)
@@ -46,9 +46,6 @@ PRODUCT_COLUMNS_MULTIPLE = 16
 # Keys per band of U (`_band_table`): a band computes rows + 63 distances per key for the `rows` it is read at
 # (1.33x at 192 rows), in one product; bands of 32 and 128 keys timed slower at 4x512 and 1x2048 on a 2-core Xeon
 BAND_TABLE_KEYS = 64
-# The compiled kernel (`native.py`) makes the band's bias where it can run and a group's p2c table (U by bucket,
-# [g, H, keys, W]) holds at most this many elements (128 MiB in float32); longer inputs go by bands of U.
-KERNEL_TABLE_ELEMENTS = 1 << 25
 # With the kernel the far keys are split off (below) only from this length on: a dense bias of the band and the far
 # keys costs the kernel little to make, and below 4,096 tokens one SDPA call timed faster than three and a merge.
 KERNEL_SPLIT_LENGTH = 4096
@@ -265,15 +262,17 @@ def _attend_fused(
     or one per sequence over the keys of its unpadded span where a [B, 1, 1, L] key mask differs between sequences;
     the kernel makes T and U from Kr and Qr itself, in cache, and no bias is written. Returns [B, L, H, D]."""
     batch, heads, length, _ = query.shape
-    pos_key, pos_query = (as_key_tiles(t) if t is not None else None for t in (kernel.pos_key, kernel.pos_query))
+    pos_key, pos_query = (native.as_key_tiles(t) if t is not None else None for t in (kernel.pos_key, kernel.pos_query))
     context = query.new_empty(batch, length, heads, query.shape[-1])
     groups = [slice(0, batch)] if mask is None or mask.shape[0] == 1 else [slice(b, b + 1) for b in range(batch)]
     for sequences in groups:  # each sequence its own span of keys (one group where every sequence has the same)
         group_mask = mask[sequences] if mask is not None and mask.shape[0] > 1 else mask
         span = _unpadded_span(group_mask, length) if group_mask is not None else slice(0, length)
         keep = group_mask[:, 0, 0, span].to(torch.uint8) if group_mask is not None else None
-        workspace = _scratch(positions, "attend", (workspace_bytes(span.stop - span.start, kernel.width),), _BYTES)
-        attend(
+        workspace = _scratch(
+            positions, "attend", (native.workspace_bytes(span.stop - span.start, kernel.width),), _BYTES
+        )
+        native.attend(
             context[sequences],
             query[sequences],
             key[sequences],
@@ -307,7 +306,7 @@ class _KernelTables:
             F.pad(t, (0, 0, 0, width - t.shape[1])) if t is not None else None for t in (pos_key, pos_query)
         )
         self.width = width
-        self.column, self.c2p_column = kernel_columns(positions)
+        self.column, self.c2p_column = native.kernel_columns(positions)
 
     def _product(self, positions: RelativePositions, kind: str, rows: Tensor, relative: Tensor) -> Tensor:
         groups, heads, count, _ = rows.shape
@@ -333,7 +332,7 @@ class _KernelTables:
         if p2c is not None:
             p2c = p2c[:, :, keys.start - span.start : keys.stop - span.start]
         keep = keep[:, keys] if keep is not None else None
-        return position_bias(out, c2p, p2c, self.column, self.c2p_column, keep, rows.start, keys.start)
+        return native.position_bias(out, c2p, p2c, self.column, self.c2p_column, keep, rows.start, keys.start)
 
 
 ADD_CHUNK_KEYS = 512  # keys per add of the c2p and p2c views (see `_add_by_key_chunks`)

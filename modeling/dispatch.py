@@ -31,6 +31,11 @@ Switches. Users set environment variables; tests and benchmarks set this module'
     DISENTANGLED_CACHE=FOLDER       where the CPU kernels are built and the self-check's verdicts kept
     CPU_KERNEL, CPU_FUSED, FUSED_FLOAT32, TRAINING_KERNEL, FLEX_COMPILED, KEEP_WORKSPACE: attributes only (below)
 
+The Hub bundle (`conversion/bundle.py`) carries neither `native.py` nor `kernel_check.py`: this file imports them
+where they are, and the other modules reach them through it. Without them the CPU kernels' paths and the self-checked
+Triton kernel are passed over, each saying so (`NOT_IN_THE_BUNDLE`), and the model logs once what it lacks and how to
+get it (`without_the_package`).
+
 In `modeling/`'s layering (`__init__.py`): beside layer 2, the decision every backend asks.
 """
 
@@ -45,11 +50,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .cpu_inference import KERNEL_TABLE_ELEMENTS
 from .disentangled_attention import PositionScores
 from .flex_attention import FLEX_AVAILABLE
-from .kernel_check import Kind, verdict
-from .native import attend_available, available, instruction_set, kernel_columns, why_unavailable, workspace_bytes
 from .triton_attention import (
     DTYPES,
     FAILED_LAUNCHES,
@@ -60,6 +62,12 @@ from .triton_attention import (
 )
 from .triton_tiles import precision, tiles_for
 from .validation import is_tracing
+
+try:  # the package's own: the compiled CPU kernels and the Triton kernel's self-check (not in the Hub bundle)
+    from . import kernel_check, native
+except ImportError:  # the Hub bundle
+    kernel_check = native = None
+NOT_IN_THE_BUNDLE = "not in the Hub bundle (pip install disentangled)"
 
 logger = logging.getLogger("disentangled.dispatch")
 _THIS_MODULE = sys.modules[__name__]
@@ -93,6 +101,9 @@ TRITON_VALUES = ("0", "1", "check")
 # The fused CPU kernel's workspace, all threads together, at most this (U of one plane per thread, in float32: 150 MiB
 # for 32,768 tokens on 2 threads); beyond it, the bias by blocks.
 FUSED_WORKSPACE_BYTES = 1 << 30
+# The compiled kernel makes the band's bias where a group's p2c table (U by bucket, [g, H, keys, W]) holds at most this
+# many elements (128 MiB in float32); longer inputs go by bands of U in PyTorch (`cpu_inference._attend_by_distance`).
+KERNEL_TABLE_ELEMENTS = 1 << 25
 
 PATHS = {  # path: what runs it
     "eager": "eager_disentangled: the reference, a dense [B, H, L, L] bias",
@@ -147,7 +158,7 @@ class Decision:
     skipped: tuple[tuple[str, str], ...] = ()  # (path, why not) for each path the call's device prefers over it
     tiles: dict | None = None  # triton: the tiles of each kernel
     tiles_from: str | None = None  # triton: "a tuned profile" or "the table (TILES)"
-    kind: Kind | None = None  # triton: the kind of call the self-check judges
+    kind: kernel_check.Kind | None = None  # triton: the kind of call the self-check judges
     check: str | None = None  # triton: "passed", "pending" (runs before the kernel serves) or None (not asked)
 
     def describe(self) -> str:
@@ -198,25 +209,38 @@ def switches() -> dict:
 def native_instruction_set() -> tuple[str, str]:
     """The vector set the CPU kernels are built for here and why (`native.instruction_set`: the processor's best, or
     DISENTANGLED_CPU_ISA's choice; "none" where they are off)."""
-    return instruction_set()
+    return native.instruction_set() if native is not None else ("none", NOT_IN_THE_BUNDLE)
 
 
 def native_built() -> bool:
     """Whether the compiled CPU kernels run here (built on the first call; DISENTANGLED_NATIVE=0 says no)."""
-    return available()
+    return native is not None and native.available()
 
 
 def native_why_unavailable() -> str | None:
-    return why_unavailable()
+    return native.why_unavailable() if native is not None else NOT_IN_THE_BUNDLE
 
 
 def native_attend(dtype: torch.dtype) -> bool:
     """Whether the fused attention is built for `dtype` here (bfloat16 needs AMX)."""
-    return attend_available(dtype)
+    return native.attend_available(dtype)
 
 
 def native_workspace_bytes(length: int, width: int) -> int:
-    return workspace_bytes(length, width)
+    return native.workspace_bytes(length, width)
+
+
+def without_the_package() -> str | None:
+    """In the Hub bundle, the line the model logs once: the paths it lacks without the package and how to get them;
+    None in the package."""
+    if native is not None:
+        return None
+    return (
+        "This model runs as Hub remote code, without the disentangled package: attention takes PyTorch's paths, as the "
+        "package's cpu-fused, cpu-bias-kernel and cpu-training-kernel (compiled CPU kernels) and triton (the Triton "
+        "kernel after its self-check; DISENTANGLED_TRITON=1 runs it unchecked) are not in the bundle. For them: pip "
+        "install disentangled, and load the model with the package imported, without trust_remote_code."
+    )
 
 
 # ---- The facts of a call ----
@@ -251,8 +275,8 @@ def call_facts(
         terms = tuple(name for name, table in (("c2p", pos_key), ("p2c", pos_query), ("p2p", p2p)) if table is not None)
         positions = position_scores.positions
         width, positions_length = positions.width, positions.length
-        if device.type == "cpu" and not tracing:  # what the CPU kernels' tiles need (made once a forward)
-            tiled = kernel_columns(positions) is not None
+        if device.type == "cpu" and not tracing and native is not None:  # the CPU kernels' tiles (once a forward)
+            tiled = native.kernel_columns(positions) is not None
     key_shape = key.shape
     uniform = (
         dtype == key.dtype == value.dtype
@@ -379,7 +403,7 @@ def _bias_kernel_refusal(call: Call) -> str | None:
     if not CPU_KERNEL:
         return "switched off (dispatch.CPU_KERNEL = False)"
     if call.heads * call.length * _columns(call.width) > KERNEL_TABLE_ELEMENTS:
-        return "a sequence's p2c table would exceed cpu_inference.KERNEL_TABLE_ELEMENTS"
+        return "a sequence's p2c table would exceed dispatch.KERNEL_TABLE_ELEMENTS"
     if (why := _native_refusal(call)) is not None:
         return why
     if not call.tiled_columns:
@@ -450,9 +474,9 @@ def _triton_refusal(call: Call) -> tuple[str | None, dict | None]:
     return None, tiles
 
 
-def kind_of(call: Call, tiles: dict) -> Kind:
+def kind_of(call: Call, tiles: dict) -> kernel_check.Kind:
     """The self-check's kind of this call (`kernel_check.Kind`)."""
-    return Kind(
+    return kernel_check.Kind(
         gpu=call.gpu or "unknown GPU",
         capability=tuple(call.capability),
         dtype=_name(call.dtype),
@@ -473,8 +497,11 @@ def _triton_decision(call: Call, skipped: list, tiles: dict) -> Decision:
     if switch_value("TRITON") == "1":
         return Decision("sdpa", "triton", reason + ", no self-check (DISENTANGLED_TRITON=1)", tuple(skipped), tiles,
                         tiles_from)  # fmt: skip
+    if kernel_check is None:
+        why = f"its self-check is {NOT_IN_THE_BUNDLE}; DISENTANGLED_TRITON=1 runs it unchecked"
+        return blocked_instead(tuple(skipped), why)
     kind = kind_of(call, tiles)
-    found = verdict(kind)
+    found = kernel_check.verdict(kind)
     if found is None:
         return Decision("sdpa", "triton", reason + ", self-check on first use", tuple(skipped), tiles, tiles_from,
                         kind, "pending")  # fmt: skip

@@ -37,12 +37,12 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, logging
 
 from ..configuration.configuration_disentangled import DisentangledConfig
 
 # transformers 4.57 copies a local folder's remote code by the model file's own relative imports (not by theirs in
-# turn), so this file imports every sibling, cpu_inference.py and native.py (which only sdpa uses) included.
+# turn), so this file imports every bundled sibling, cpu_inference.py (which only sdpa uses) included.
 from .cpu_inference import CPU_FLASH_WITH_LSE  # noqa: F401
 from .disentangled_attention import (
     PositionScores,
@@ -52,11 +52,8 @@ from .disentangled_attention import (
     head_scaling,
     warn_once,
 )
-from .dispatch import Decision, call_facts, decide, switch_value
+from .dispatch import Decision, call_facts, decide, native, switch_value, without_the_package
 from .flex_attention import flex_disentangled
-from .kernel_check import verdict as _verdict  # noqa: F401  (sdpa's self-check of the CUDA kernel; see above)
-from .native import available as _native_available  # noqa: F401  (see the note on cpu_inference above)
-from .native import warn_if_bfloat16_is_emulated
 from .sdpa_attention import dropout_keep_mask, sdpa_disentangled
 from .triton_attention import TRITON_AVAILABLE  # noqa: F401  (sdpa's CUDA kernel; see cpu_inference above)
 from .triton_tiles import TILES as _TILES  # noqa: F401  (the Triton kernel's tiles per GPU; see cpu_inference above)
@@ -77,6 +74,9 @@ except ImportError:  # transformers 4.57
     from torch.nn import init
 
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+# A fixed name, as dispatch's: the same in the package and in each folder's copy of the bundle, so that a line logged
+# once (`warning_once`) is said once per process, however many models are loaded
+logger = logging.get_logger("disentangled")
 
 DISENTANGLED_ATTENTION_FUNCTIONS = {  # our backends; any other implementation gets one dense bias (`attend`)
     "eager": eager_disentangled,
@@ -588,8 +588,8 @@ class DisentangledEncoder(nn.Module):
         cu_seqlens: tuple[int, ...] | None = None,
     ) -> BaseModelOutput:
         """With `cu_seqlens`, `hidden_states` is [1, T, hidden]: packed sequences, bounds cu_seqlens[k:k + 2]."""
-        if hidden_states.device.type == "cpu" and not is_tracing():  # once: bfloat16 without bfloat16 arithmetic
-            warn_if_bfloat16_is_emulated(hidden_states.dtype)
+        if hidden_states.device.type == "cpu" and not is_tracing() and native is not None:  # once: bfloat16 emulated
+            native.warn_if_bfloat16_is_emulated(hidden_states.dtype)
         if cu_seqlens is None:
             length = hidden_states.shape[1]
         else:
@@ -648,6 +648,8 @@ class DisentangledModel(DisentangledPreTrainedModel):
     def __init__(self, config: DisentangledConfig):
         config.validate_for_model()  # cross-field rules (heads divide hidden size, bucket reach) when a model is built
         super().__init__(config)
+        if (missing := without_the_package()) is not None:  # the Hub bundle: what it lacks, once per process
+            logger.warning_once(missing)
         self.embeddings = DisentangledEmbeddings(config)
         self.encoder = DisentangledEncoder(config)
         self.post_init()

@@ -14,10 +14,11 @@ processor has (AVX-512 F + BW, else AVX2 + FMA on x86-64; NEON on aarch64), or a
 DISENTANGLED_CPU_ISA=avx512|avx2|neon|none (so that an AVX-512 machine can test and time the AVX2 build; "none" is
 the pure-PyTorch path). A set the processor does not run is a ValueError naming those it does.
 
-The C source and its headers ship with the package (not with the Hub bundle, which runs on PyTorch alone). On first
-use they are compiled with the system's C compiler (`cc -O3 -fopenmp -shared` and the set's flags, `SET_FLAGS`:
--march=native for AVX-512, so that AMX comes with it where the processor has it; about a second) into a cache folder
-keyed by the sources, the compiler, the flags, the set and the processor's flags (DISENTANGLED_CACHE, else
+The C source, its headers and this file ship with the package, not with the Hub bundle (`conversion/bundle.py`),
+whose model takes the PyTorch paths and says so once (`dispatch.without_the_package`). On first use they are
+compiled with the system's C compiler (`cc -O3 -fopenmp -shared` and the set's flags, `SET_FLAGS`: -march=native for
+AVX-512, so that AMX comes with it where the processor has it; about a second) into a cache folder keyed by the
+sources, the compiler, the flags, the set and the processor's flags (DISENTANGLED_CACHE, else
 ~/.cache/disentangled), written under a temporary name and renamed, so that a failed or concurrent build leaves
 nothing half-written. Where that cannot happen (no source, no compiler, a failed build, no vector set, not Linux, or
 DISENTANGLED_NATIVE=0) `available()` is False and the callers take the pure-PyTorch path; the tests compare both
@@ -317,7 +318,7 @@ def _build(flags: tuple[str, ...] | None = None, name: str | None = None) -> cty
         _state["why"] = reason
         return None
     if not SOURCE.is_file() or not all(header.is_file() for header in HEADERS):
-        _state["why"] = "no kernel source here (the Hub bundle)"
+        _state["why"] = "no kernel source beside native.py (an install without the package's data files)"
         return None
     flags = flags or flags_for(name)
     library, why = compiled(SOURCE, flags, name)

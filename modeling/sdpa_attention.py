@@ -34,9 +34,18 @@ from .disentangled_attention import (
     p2c_by_row,
     position_table,
 )
-from .dispatch import FAILED_CHECK, Decision, blocked_instead, call_facts, decide, log_fallback, switch_value
-from .kernel_check import check
-from .native import Band, available, hankel_bias, hankel_bias_backward, keep_mask, kernel_columns
+from .dispatch import (
+    FAILED_CHECK,
+    Decision,
+    blocked_instead,
+    call_facts,
+    decide,
+    kernel_check,
+    log_fallback,
+    native,
+    native_built,
+    switch_value,
+)
 from .triton_attention import KernelLaunchError, launch_failed, triton_disentangled
 from .validation import is_tracing
 from .workspace import _scratch, int32_column, per_forward
@@ -157,7 +166,7 @@ def _run_triton(decision, module, query, key, value, attention_mask, scaling, dr
     arguments = (module, query, key, value, attention_mask, scaling, dropout, position_scores)
     try:
         if decision.check == "pending":
-            if not check(decision.kind, query.device, triton_disentangled, blocked_attention)["passed"]:
+            if not kernel_check.check(decision.kind, query.device, triton_disentangled, blocked_attention)["passed"]:
                 log_fallback(blocked_instead(decision.skipped, FAILED_CHECK))
                 return blocked_attention(*arguments, block_elements)
         return triton_disentangled(*arguments, blocks=decision.tiles)
@@ -361,7 +370,7 @@ class BlockedAttention(torch.autograd.Function):
                 if column is not None:  # c2p + p2c by the kernel
                     scores = query.new_empty(*group_heads, last - first, length)
                     banded = _band_spec(band, c2p_first, p2c_first)
-                    hankel_bias(scores, c2p_rows, p2c_keys, column[first:], tiled, banded)
+                    native.hankel_bias(scores, c2p_rows, p2c_keys, column[first:], tiled, banded)
                 else:  # p2c read by table row
                     p2c_rows = p2c_keys.mT if p2c_keys is not None else None
                     scores = _block_bias(positions, c2p_rows, p2c_rows, None, first, last, group_heads)
@@ -441,7 +450,9 @@ class BlockedAttention(torch.autograd.Function):
                 grad_c2p, c2p_first = _banded_rows(positions, "c2p", block_query, kr, first, band, product=False)
             if column is not None:  # by the kernel: dS summed into grad_c2p (written) and grad_p2c (added to)
                 banded = _band_spec(band, c2p_first, p2c_first)
-                hankel_bias_backward(grad_scores, grad_c2p, grad_p2c, column[first:], tiled, not first_of_group, banded)
+                native.hankel_bias_backward(
+                    grad_scores, grad_c2p, grad_p2c, column[first:], tiled, not first_of_group, banded
+                )
                 first_of_group = False
             else:
                 index = _hankel(positions, first, last - first, positions.length).expand_as(grad_scores)
@@ -508,11 +519,11 @@ def _band_first(positions: RelativePositions, first: int, count: int, band: int)
     return per_forward(positions, f"band first {first} {count}", make)
 
 
-def _band_spec(band: int | None, c2p_first, p2c_first) -> Band | None:
+def _band_spec(band: int | None, c2p_first, p2c_first) -> native.Band | None:
     """What the kernel is told of the tables: banded (`_band_first`'s int32 columns of each) where `band` is set."""
     if band is None:
         return None
-    return Band(BAND_LINES, *(first[1] if first is not None else None for first in (c2p_first, p2c_first)))
+    return native.Band(BAND_LINES, *(first[1] if first is not None else None for first in (c2p_first, p2c_first)))
 
 
 def _lines(positions: RelativePositions, kind: str, content: Tensor) -> Tensor:
@@ -584,7 +595,7 @@ def _kernel_column(positions: RelativePositions, kernel: bool) -> tuple[Tensor |
     `dispatch.decide`; else None), and whether its tiles can run (`native.kernel_columns`)."""
     if not kernel:
         return None, False
-    return int32_column(positions), kernel_columns(positions) is not None
+    return int32_column(positions), native.kernel_columns(positions) is not None
 
 
 def _position_rows_backward(
@@ -612,11 +623,11 @@ def dropout_keep_mask(shape: tuple[int, ...], dropout: float, device) -> Tensor:
     CUDA flash attention rounds it to a multiple of 1/255.
     """
     count, threshold = math.prod(shape), round((1 - dropout) * (1 << DROPOUT_BITS))
-    if torch.device(device).type == "cpu" and switch_value("DROPOUT_KERNEL") and not is_tracing() and available():
+    if torch.device(device).type == "cpu" and switch_value("DROPOUT_KERNEL") and not is_tracing() and native_built():
         # the compiled kernel: the same layout of 15-bit lanes, from a counter-based generator seeded by one draw of
         # PyTorch's, in one pass (`benchmarks.train_step --pytorch-dropout` times it against the passes below)
         seed = int(torch.empty((), dtype=torch.int64).random_())
-        return keep_mask(torch.empty(count, dtype=torch.uint8), seed, threshold).view(torch.bool).view(shape)
+        return native.keep_mask(torch.empty(count, dtype=torch.uint8), seed, threshold).view(torch.bool).view(shape)
     words = torch.empty(-(-count // 4), dtype=torch.int64, device=device).random_()  # 63 random bits each
     lanes = words.view(torch.int16)[:count].bitwise_and_((1 << DROPOUT_BITS) - 1)  # 15 bits per lane
     return (lanes < threshold).view(shape)

@@ -106,8 +106,8 @@ def test_sdpa_training_with_banded_tables_matches_eager(monkeypatch, variant):
         pytest.skip(f"the kernel does not run here: {native.why_unavailable()}")
     monkeypatch.setattr(sdpa_attention, "SDPA_BLOCK_ELEMENTS", 1 << 21)  # the default blocks: groups of five
     bands = []
-    kernel = sdpa_attention.hankel_bias
-    monkeypatch.setattr(sdpa_attention, "hankel_bias", lambda *args: bands.append(args[5]) or kernel(*args))
+    kernel = native.hankel_bias
+    monkeypatch.setattr(native, "hankel_bias", lambda *args: bands.append(args[5]) or kernel(*args))
     reference = build("eager", **dict(VARIANTS[variant], position_buckets=256, max_relative_positions=512))
     check_parity(reference, with_implementation(reference, "sdpa"), "Model", padded_batch(100, [128, 97, 128, 64, 110]))
     assert bands and all(band is not None for band in bands)
@@ -595,8 +595,8 @@ def training_kernel(monkeypatch, kernel: bool) -> list:
         pytest.skip(f"the kernel does not run here: {native.why_unavailable()}")
     calls = []
     for name in ("hankel_bias", "hankel_bias_backward"):
-        function = getattr(sdpa_attention, name)
-        monkeypatch.setattr(sdpa_attention, name, lambda *args, f=function, n=name: calls.append(n) or f(*args))
+        function = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *args, f=function, n=name: calls.append(n) or f(*args))
     return calls
 
 
@@ -630,8 +630,8 @@ def test_blocked_attention_with_banded_tables_matches_the_dense_formula(monkeypa
     blocks of rows per group, and dropout; the workspace's buffers handed out full of NaN."""
     calls = training_kernel(monkeypatch, True)
     bands = []
-    kernel = sdpa_attention.hankel_bias
-    monkeypatch.setattr(sdpa_attention, "hankel_bias", lambda *args: bands.append(args[5]) or kernel(*args))
+    kernel = native.hankel_bias
+    monkeypatch.setattr(native, "hankel_bias", lambda *args: bands.append(args[5]) or kernel(*args))
     monkeypatch.setattr(sdpa_attention, "BAND_LINES", lines)
     monkeypatch.setattr(sdpa_attention, "BAND_MOST", 1.0)
     monkeypatch.setattr(sdpa_attention, "BAND_SEQUENCES", 1)
@@ -666,8 +666,8 @@ def test_dropout_keep_mask_keeps_each_entry_with_the_keep_probability(switch, mo
     if kernel and not native.available():
         pytest.skip(f"the kernel does not run here: {native.why_unavailable()}")
     switch(DROPOUT_KERNEL=kernel)
-    calls, function = [], sdpa_attention.keep_mask
-    monkeypatch.setattr(sdpa_attention, "keep_mask", lambda *args: calls.append(1) or function(*args))
+    calls, function = [], native.keep_mask
+    monkeypatch.setattr(native, "keep_mask", lambda *args: calls.append(1) or function(*args))
     torch.manual_seed(0)
     shape = (3, 5, 257, 263)  # an odd entry count: the last draw is used in part
     keep = sdpa_attention.dropout_keep_mask(shape, dropout, "cpu")

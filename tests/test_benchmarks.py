@@ -650,15 +650,13 @@ def test_train_step_times_whole_position_tables_beside_banded_ones(monkeypatch, 
     """--whole-tables adds the sdpa model with CPU training's kernel reading whole position tables: those steps call
     it without a band, the model's own with one (4x128 at v3's buckets), and the switch is on afterwards."""
     from benchmarks import train_step
-    from disentangled.modeling import dispatch, native, sdpa_attention
+    from disentangled.modeling import dispatch, native
 
     if not native.available():
         pytest.skip(f"the kernel does not run here: {native.why_unavailable()}")
     banded = []  # for each call of the kernel: whether it read banded tables
-    function = sdpa_attention.hankel_bias
-    monkeypatch.setattr(
-        sdpa_attention, "hankel_bias", lambda *args: banded.append(args[5] is not None) or function(*args)
-    )
+    function = native.hankel_bias
+    monkeypatch.setattr(native, "hankel_bias", lambda *args: banded.append(args[5] is not None) or function(*args))
     train_step.main(["--cases", "4x128", "--layers", "1", "--repeats", "1", "--no-eager", "--whole-tables"])
     printed = capsys.readouterr().out
     rows = [line.split(" | ")[0] for line in printed.splitlines() if line.startswith("| ") and " ms |" in line]

@@ -30,10 +30,11 @@ from safetensors.torch import load_file, save_file
 from spm_fixture import train_spm
 
 from disentangled import cli
-from disentangled.conversion.bundle import auto_map, bundle_sources, check_bundled_source
+from disentangled.conversion.bundle import MODELING_FILES, auto_map, bundle_sources, check_bundled_source
 from disentangled.conversion.convert import fixed_batch, load_bundled, named_outputs
 
 HERE = Path(__file__).resolve().parent
+PACKAGE_ONLY = {"native.py", "kernel_check.py"}  # the compiled CPU kernels and the Triton kernel's self-check
 EXTRA_ARGS = {
     "v3-ForSequenceClassification": ("--max-shard-size", "150KB"),  # sharded output with an index
     "mdeberta-ForTokenClassification": ("--dtype", "bfloat16"),
@@ -41,6 +42,7 @@ EXTRA_ARGS = {
 }
 TOLERANCE = 1e-4  # float32, relative to max(1, max |reference|)
 TOLERANCE_BF16 = 5e-2
+PACKAGE_TOLERANCE = 1e-5  # the bundle against the package, same weights and dtype: only the paths' rounding differs
 
 
 def batch_of(case: Case) -> dict:
@@ -131,7 +133,16 @@ def load_in_child(python, cases: list[Case], tmp_path: Path) -> tuple[dict, dict
     )
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.rsplit("REPORT ", 1)[1].splitlines()[0])
-    return load_file(tmp_path / "outputs.safetensors"), report | {"stdout": result.stdout}
+    return load_file(tmp_path / "outputs.safetensors"), report | {"stdout": result.stdout, "stderr": result.stderr}
+
+
+def check_the_log(report: dict) -> None:
+    """The bundled models (a dozen in one process) said once which paths they lack and how to get them
+    (`dispatch.without_the_package`, through transformers' logger)."""
+    said = [line for line in report["stderr"].splitlines() if "without the disentangled package" in line]
+    assert len(said) == 1, report["stderr"][-2000:]
+    for words in ("cpu-fused", "cpu-bias-kernel", "cpu-training-kernel", "triton", "pip install disentangled"):
+        assert words in said[0], said[0]
 
 
 def test_every_conversion_printed_parity_within_tolerance(converted):
@@ -140,7 +151,7 @@ def test_every_conversion_printed_parity_within_tolerance(converted):
         assert figures, case.log
         assert all(float(diff) <= float(tol) for _, diff, tol in figures), case.log
         files = {path.name for path in case.output.iterdir()}
-        assert {"config.json", "README.md", *bundle_sources()} <= files, files
+        assert {"config.json", "README.md", *bundle_sources()} <= files and not PACKAGE_ONLY & files, files
         config = json.loads((case.output / "config.json").read_text())
         assert config["model_type"] == "disentangled" and config["auto_map"] == auto_map()
         assert config["architectures"][0].startswith("Disentangled")
@@ -173,6 +184,24 @@ def test_bundle_loads_without_the_package_on_latest_transformers(converted, late
     print(f"transformers {report['transformers']}: worst relative error {max(errors.values()):.2e}")
     for case in converted:
         assert report["cases"][case.name]["module"].startswith("transformers_modules."), report["cases"][case.name]
+    check_the_log(report)
+
+
+def test_the_bundle_computes_what_the_package_computes(converted, latest_child):
+    """The bundle's PyTorch paths against the package's (its compiled CPU kernels, where they run here) on the same
+    folders and batches: the package's model, loaded from the registered classes, and the child's outputs."""
+    outputs, _ = latest_child
+    errors = {}
+    for case in converted:
+        batch = load_file(case.inputs)
+        mask = batch["attention_mask"].reshape(-1, batch["attention_mask"].shape[-1]).bool()
+        model = getattr(transformers, case.auto_class).from_pretrained(case.output).eval()
+        assert type(model).__module__.startswith("disentangled."), type(model).__module__
+        with torch.no_grad():
+            for name, value in named_outputs(model(**batch)).items():
+                errors[f"{case.name}/{name}"] = relative_error(outputs[f"{case.name}/{name}"], value, mask)
+    print(f"the bundle against the package: worst relative error {max(errors.values()):.2e}")
+    assert max(errors.values()) <= PACKAGE_TOLERANCE, errors
 
 
 def test_bundle_loads_without_the_package_on_transformers_4_57(converted, child_4_57):
@@ -181,6 +210,7 @@ def test_bundle_loads_without_the_package_on_transformers_4_57(converted, child_
     errors = check_outputs(converted, outputs)
     print(f"transformers {report['transformers']}: worst relative error {max(errors.values()):.2e}")
     assert "newly initialized" not in report["stdout"]
+    check_the_log(report)
 
 
 def source_ids(case: Case) -> list[int]:
@@ -243,11 +273,13 @@ def test_model_card_metadata(converted):
 
 
 def test_the_bundle_is_generated_from_the_package():
+    """The bundle is the files that run there: every modeling file but the package's own (native.py's C source does
+    not travel; kernel_check.py writes under ~/.cache), which the bundled files import only guarded."""
     sources = bundle_sources()
     package = Path(__import__("disentangled.modeling", fromlist=["x"]).__file__).parent
-    assert set(sources) == {"configuration_disentangled.py"} | {
-        path.name for path in package.glob("*.py") if path.name != "__init__.py"
-    }
+    modeling = {path.name for path in package.glob("*.py") if path.name != "__init__.py"}
+    assert set(sources) == {"configuration_disentangled.py", *MODELING_FILES}
+    assert modeling - set(MODELING_FILES) == PACKAGE_ONLY and set(MODELING_FILES) <= modeling
     for text in sources.values():
         assert "from ..configuration" not in text and "import disentangled" not in text
     with pytest.raises(ValueError, match="imports the package"):
@@ -256,6 +288,12 @@ def test_the_bundle_is_generated_from_the_package():
         check_bundled_source("x.py", "from ..configuration import DisentangledConfig\n", {"x.py"})
     with pytest.raises(ValueError, match="not a bundled file"):
         check_bundled_source("x.py", "from .missing import thing\n", {"x.py"})
+    guarded = "try:\n    from . import missing\nexcept ImportError:\n    missing = None\n"
+    check_bundled_source("x.py", guarded, {"x.py"})  # a sibling the bundle leaves out: transformers does not fetch it
+    with pytest.raises(ValueError, match="outside try/except ImportError"):
+        check_bundled_source("x.py", "from . import missing\n", {"x.py"})
+    with pytest.raises(ValueError, match="not a bundled file"):  # transformers fetches each `from .name import`
+        check_bundled_source("x.py", guarded.replace("from . import missing", "from .missing import x"), {"x.py"})
 
 
 def test_model_card_template_ships_with_the_package():

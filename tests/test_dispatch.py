@@ -88,6 +88,28 @@ def test_without_the_compiled_kernel_its_reason_is_given():
     assert decide(gradients=True).path == "cpu-training"
 
 
+def test_in_the_hub_bundle_the_package_s_paths_are_passed_over(monkeypatch, switch):
+    """As in the Hub bundle, which carries neither native.py nor kernel_check.py: CPU calls take the PyTorch paths and
+    a CUDA call sdpa's blocked path (the Triton kernel only unchecked, DISENTANGLED_TRITON=1), each saying why; the
+    line the model logs names each path it lacks."""
+    monkeypatch.setattr(dispatch, "native", None)
+    monkeypatch.setattr(dispatch, "kernel_check", None)
+    decision = decide()
+    assert decision.path == "cpu-by-distance" and dispatch.NOT_IN_THE_BUNDLE in fell_back(decision, "cpu-fused")
+    decision = decide(gradients=True)
+    assert decision.path == "cpu-training" and dispatch.NOT_IN_THE_BUNDLE in fell_back(decision, "cpu-training-kernel")
+    monkeypatch.setattr(dispatch, "TRITON_AVAILABLE", True)
+    cuda = dict(device="cuda", dtype=torch.float16, gpu="NVIDIA H100 80GB HBM3", capability=(9, 0))
+    decision = decide(**cuda)
+    assert decision.path == "sdpa-blocked" and dispatch.NOT_IN_THE_BUNDLE in fell_back(decision, "triton")
+    switch(TRITON="1")
+    assert decide(**cuda).path == "triton"
+    for path in ("cpu-fused", "cpu-bias-kernel", "cpu-training-kernel", "triton"):
+        assert path in dispatch.without_the_package()
+    monkeypatch.setattr(dispatch, "native", native)
+    assert dispatch.without_the_package() is None  # the package says nothing
+
+
 def test_implementations_and_the_dense_paths(switch):
     assert decide(implementation="eager").path == "eager"
     decision = decide(output_attentions=True)

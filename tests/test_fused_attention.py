@@ -19,7 +19,7 @@ import torch
 from parity import inflate_weights, max_abs_diff, packed_inputs, padded_batch
 
 import disentangled
-from disentangled.modeling import cpu_inference, dispatch, native
+from disentangled.modeling import dispatch, native
 from disentangled.modeling.disentangled_attention import RelativePositions
 
 needs_amx = pytest.mark.skipif(
@@ -226,8 +226,8 @@ def test_packed_sequences_in_bfloat16_within_twice_eagers_error(monkeypatch, var
     real = batch["attention_mask"].bool()
     packed = packed_inputs(batch)
     calls = []
-    attend = cpu_inference.attend
-    monkeypatch.setattr(cpu_inference, "attend", lambda *args: calls.append(1) or attend(*args))
+    attend = native.attend
+    monkeypatch.setattr(native, "attend", lambda *args: calls.append(1) or attend(*args))
     with torch.no_grad():
         expected = reference(**batch).last_hidden_state[real]
         own = low_eager(**batch).last_hidden_state[real].float()
@@ -249,8 +249,8 @@ def test_model_in_bfloat16_within_twice_eagers_error(monkeypatch, variant):
     batch["attention_mask"][2] = 0  # padding only: uniform attention over every key, as in eager
     real = batch["attention_mask"].bool()
     calls = []
-    attend = cpu_inference.attend
-    monkeypatch.setattr(cpu_inference, "attend", lambda *args: calls.append(1) or attend(*args))
+    attend = native.attend
+    monkeypatch.setattr(native, "attend", lambda *args: calls.append(1) or attend(*args))
     with torch.no_grad():
         expected = reference(**batch).last_hidden_state
         own = low_eager(**batch).last_hidden_state.float()
@@ -283,8 +283,8 @@ def test_model_in_float32_matches_eager(monkeypatch, variant, layout):
         real = batch["attention_mask"].bool()
         packed = packed_inputs(batch)
     calls = []
-    attend = cpu_inference.attend
-    monkeypatch.setattr(cpu_inference, "attend", lambda *args: calls.append(1) or attend(*args))
+    attend = native.attend
+    monkeypatch.setattr(native, "attend", lambda *args: calls.append(1) or attend(*args))
     with torch.no_grad():
         expected = reference(**batch).last_hidden_state
         inputs_ = packed if layout == "packed" else batch
@@ -324,7 +324,7 @@ def test_where_the_fused_kernel_does_not_run_the_others_do(monkeypatch, switch, 
     if case == "workspace":
         monkeypatch.setattr(dispatch, "FUSED_WORKSPACE_BYTES", 1024)
     calls = []
-    monkeypatch.setattr(cpu_inference, "attend", lambda *args: calls.append(1))
+    monkeypatch.setattr(native, "attend", lambda *args: calls.append(1))
     batch = padded_batch(100, [150, 97])
     real = batch["attention_mask"].bool()
     if case == "mask-of-pairs":  # the same padding, as pairs: every query row of a sequence to its own keys
@@ -345,7 +345,7 @@ def test_training_never_runs_it_and_float32_gradients_match_eager(monkeypatch):
     sdpa = copy.deepcopy(reference)
     sdpa.set_attn_implementation("sdpa")
     calls = []
-    monkeypatch.setattr(cpu_inference, "attend", lambda *args: calls.append(1))
+    monkeypatch.setattr(native, "attend", lambda *args: calls.append(1))
     batch = padded_batch(100, [150, 97])
     copy.deepcopy(sdpa).to(torch.bfloat16)(**batch).last_hidden_state.float().sum().backward()
     for built in (reference, sdpa):
@@ -395,8 +395,8 @@ def test_built_without_amx_float32_runs_fused_and_bfloat16_does_not(monkeypatch,
     batch = padded_batch(100, [150, 97])
     real = batch["attention_mask"].bool()
     calls = []
-    attend = cpu_inference.attend
-    monkeypatch.setattr(cpu_inference, "attend", lambda *args: calls.append(args[1].dtype) or attend(*args))
+    attend = native.attend
+    monkeypatch.setattr(native, "attend", lambda *args: calls.append(args[1].dtype) or attend(*args))
     with torch.no_grad():
         expected = reference(**batch).last_hidden_state[real]
         actual = sdpa(**batch).last_hidden_state[real]

@@ -84,10 +84,12 @@ def test_the_cycle_finder_finds_the_old_circles():
 
 def test_the_model_file_imports_every_modeling_sibling_itself():
     """transformers 4.57 copies a local folder's remote code by the model file's own relative imports only (not by
-    theirs in turn): a sibling that only another sibling imports is missing when the bundle loads there."""
+    theirs in turn): a bundled sibling that only another sibling imports is missing when the bundle loads there."""
+    from disentangled.conversion.bundle import MODELING_FILES
+
     known = modules()
     model_file = "disentangled.modeling.modeling_disentangled"
-    siblings = {name for name in known if name.startswith("disentangled.modeling.") and name != model_file}
+    siblings = {f"disentangled.modeling.{name.removesuffix('.py')}" for name in MODELING_FILES} - {model_file}
     missing = siblings - imported_modules(model_file, known[model_file], known)
     assert len(siblings) >= 5 and not missing, sorted(missing)
 

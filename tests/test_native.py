@@ -198,7 +198,7 @@ def test_buckets_that_step_by_two_columns_take_the_pytorch_path(monkeypatch):
     assert native.kernel_columns(positions) is None
     sdpa = copy.deepcopy(reference)
     sdpa.set_attn_implementation("sdpa")
-    monkeypatch.setattr(cpu_inference, "position_bias", lambda *args: pytest.fail("the kernel ran"))
+    monkeypatch.setattr(native, "position_bias", lambda *args: pytest.fail("the kernel ran"))
     batch = padded_batch(100, [300, 120])
     with torch.no_grad():
         expected = reference(**batch).last_hidden_state
@@ -499,8 +499,8 @@ def test_model_training_with_the_kernel_matches_eager_and_the_pytorch_path(monke
     batch = padded_batch(100, [300, 211])
     monkeypatch.setattr(sdpa_attention, "SDPA_BLOCK_ELEMENTS", 4 * 300 * 64)
     calls = []
-    kernel = sdpa_attention.hankel_bias_backward
-    monkeypatch.setattr(sdpa_attention, "hankel_bias_backward", lambda *args: calls.append(args[4]) or kernel(*args))
+    kernel = native.hankel_bias_backward
+    monkeypatch.setattr(native, "hankel_bias_backward", lambda *args: calls.append(args[4]) or kernel(*args))
     expected = parameter_gradients(reference, batch)
     actual = parameter_gradients(sdpa, batch)
     assert calls and all(tiled == (variant != "steps-by-two") for tiled in calls)
@@ -641,7 +641,7 @@ def test_build_is_cached_and_reused(monkeypatch, tmp_path):
 
 def test_the_kernel_source_ships_with_the_package_not_the_bundle():
     """The C source and its vector headers are package data beside native.py (pyproject's package-data names them);
-    the Hub bundle carries .py files only, so remote code runs on PyTorch alone."""
+    the Hub bundle carries neither them nor native.py, so remote code runs on PyTorch alone."""
     from pathlib import Path
 
     from disentangled.conversion.bundle import bundle_sources
@@ -652,4 +652,4 @@ def test_the_kernel_source_ships_with_the_package_not_the_bundle():
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     shipped = pyproject["tool"]["setuptools"]["package-data"]["disentangled.modeling"]
     assert {native.SOURCE.name, *(header.name for header in native.HEADERS)} <= set(shipped)
-    assert "native.py" in bundle_sources() and not any(name.endswith((".c", ".h")) for name in bundle_sources())
+    assert "native.py" not in bundle_sources() and not any(name.endswith((".c", ".h")) for name in bundle_sources())
