@@ -32,7 +32,9 @@ def country_mass(model, tokenizer) -> tuple[float, list[str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(  # each seed a group of its own: under `-n 2` the seeds run side by side (conftest.py)
+    "seed", [pytest.param(seed, marks=pytest.mark.xdist_group(f"demo-seed-{seed}")) for seed in (0, 1, 2)]
+)
 def test_demo_runs_end_to_end(tmp_path, seed):
     """The demo as a user runs it, on three seeds: the stand-in answers the facts it was taught (every city's own
     country first), and fine-tuning from it reaches at least 0.95 and beats the same fine-tuning from random weights
