@@ -66,7 +66,7 @@ CALL = Diagram(
             folder="configuration/",
         ),
         Group(
-            "modeling/: the model, as the Hub bundle's remote code carries it",
+            "modeling/: the model; the Hub bundle carries all but native.py and kernel_check.py",
             [
                 [
                     Box(
