@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 import disentangled
 from disentangled.integrations.acceleration import AcceleratedEncoder, AcceleratedSelfAttention, is_accelerated
+from disentangled.modeling import disentangled_attention
 
 LENGTHS = [300, 171]  # beyond position_buckets (256): log buckets exercised; one padded row
 V2_HEADS = ["Model", "MaskedLM", "SequenceClassification", "TokenClassification", "QuestionAnswering", "MultipleChoice"]
@@ -196,6 +197,7 @@ def test_output_attentions_runs_our_eager_reference():
     accelerated = accelerated_copy(reference)
     batch = padded_batch(1000, [60, 37])
     real = batch["attention_mask"].bool()
+    disentangled_attention._warned.clear()  # warned once per process: another test's call may have warned already
     with torch.no_grad(), pytest.warns(UserWarning, match="output_attentions=True runs eager"):
         ours = accelerated(**batch, output_attentions=True)
     with torch.no_grad():
