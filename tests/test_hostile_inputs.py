@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from parity import inflate_weights
 from test_onnx_export import run_cli
+from test_onnx_kernel import operator_graph
 
 import disentangled
 from disentangled import DisentangledConfig
@@ -103,16 +104,7 @@ def operator_session(with_key: bool, with_query: bool, with_keep: bool, heads: i
     off, so that each tensor is an allocation of its own (the sanitizers see a read past any of them)."""
     key = (with_key, with_query, with_keep, heads, scale)
     if key not in _sessions:
-        helper, float32 = onnx.helper, onnx.TensorProto.FLOAT
-        names = ["query", "key", "value", "pos_key" if with_key else "", "pos_query" if with_query else ""]
-        names += ["column", "c2p_column", "keep" if with_keep else ""]
-        types = {"column": onnx.TensorProto.INT32, "c2p_column": onnx.TensorProto.INT32}
-        types["keep"] = onnx.TensorProto.UINT8
-        inputs = [helper.make_tensor_value_info(name, types.get(name, float32), None) for name in names if name]
-        node = helper.make_node("Attention", names, ["out"], domain=ort_operator.DOMAIN, heads=heads, scale=scale)
-        graph = helper.make_graph([node], "attention", inputs, [helper.make_tensor_value_info("out", float32, None)])
-        opsets = [helper.make_opsetid("", 18), helper.make_opsetid(ort_operator.DOMAIN, 1)]
-        model = helper.make_model(graph, opset_imports=opsets, ir_version=9)
+        model = operator_graph(with_key, with_query, with_keep, heads, scale)
         options = onnxruntime.SessionOptions()
         options.enable_cpu_mem_arena = False
         ort_operator.register(options)
