@@ -2,6 +2,7 @@
 
     python -m benchmarks.onnx_runtime                       # 2 layers, 8x128, 4x512, 1x2048; memory at 2,048 / 4,096
     python -m benchmarks.onnx_runtime --quick               # a smoke test: 1 layer, 8x128, one round, no memory
+    python -m benchmarks.onnx_runtime --per-request         # serving latency: 12 layers, 1x128, 1x512, 8x128
 
 DeBERTa-v3-base's shape (random weights, `--layers` layers), float32, `--threads` threads for torch and onnxruntime
 (thread spinning off: the sessions take turns). Per case, the minimum of `--repeats` interleaved rounds, one call of
@@ -24,13 +25,27 @@ Every ONNX graph is checked against its PyTorch model on the first case before t
 per graph and length (1x2048, 1x4096) builds the session, runs one call and reads its peak resident set (VmHWM),
 under an address-space cap; `rss_after_load` is the resident set before the call. Writes
 benchmarks/results/onnx_runtime.json and appends a record to benchmarks/records/onnx_runtime.jsonl (not with --quick).
+
+`--per-request` times what one request costs a server instead (`--layers` 12 by default: a v3-base classifier's
+encoder; its head adds one 768x768 product per row): batch 1 at 128 and at 512 tokens and batch 8 at 128 (padded),
+on 1 thread and on all the cores this process may use (`--thread-counts`), of `ours-onnx-kernel`, `bert-onnx-optimized`
+and `ours-pytorch` as above, and of the int8 graphs `ours-onnx-kernel-int8` and `bert-onnx-int8`, both made by
+`export-onnx --quantize int8`'s quantization (`onnx_export.quantize_int8`: dynamic, every product against a weight),
+BERT's from its optimized graphs (from its plain graph where the quantizer takes neither). Where a column has several
+candidate graphs, the fastest of 3 calls at the first case keeps its place. Per case and thread count, the minimum and
+the median of `--repeats` interleaved rounds (one call of each per round, after a warm-up call). The float32 graphs
+are checked against PyTorch first (max |diff| recorded; the int8 graphs' difference is recorded too, not checked).
+Writes benchmarks/results/onnx_runtime_latency.json and appends a record to
+benchmarks/records/onnx_runtime_latency.jsonl (not with --quick).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,6 +62,8 @@ from disentangled.serving import onnx_export, ort_operator
 
 RESULTS = Path(__file__).parent / "results"
 CASES = [(8, 128), (4, 512), (1, 2048)]
+LATENCY_CASES = [(1, 128), (1, 512), (8, 128)]
+LATENCY_COLUMNS = ["ours-onnx-kernel", "bert-onnx-optimized", "ours-pytorch", "ours-onnx-kernel-int8", "bert-onnx-int8"]
 MEMORY_LENGTHS = [2048, 4096]
 MEMORY_CAP_GIB = 16
 CHECK_TOLERANCE = 1e-3  # float32 graphs of 2 layers: 1e-6 to 1e-5 expected
@@ -219,6 +236,140 @@ def timing(pytorch: dict, graphs: dict, repeats: int, threads: int, cases: list)
     return rows, differences
 
 
+def prepare_latency(layers: int, folder: Path) -> tuple[torch.nn.Module, torch.nn.Module, dict[str, list[Path]]]:
+    """Our model and BERT in PyTorch, and per ONNX column of `LATENCY_COLUMNS` its candidate graphs."""
+    why = ort_operator.why_unavailable()
+    if why is not None:
+        raise SystemExit(f"--per-request times the --kernel graph, which cannot run here: {why}")
+    models = build_models(layers, folder / "checkpoint", ["sdpa"], training=False)
+    ours, bert = models["ours-sdpa"], models["bert-sdpa"].eval()
+    kernel, kernel_int8 = folder / "ours-kernel.onnx", folder / "ours-kernel-int8.onnx"
+    onnx_export.export(ours, "base", kernel, kernel=True)
+    onnx_export.lean_graph(kernel, fuse=True)  # as export-onnx --kernel writes it
+    onnx_export.quantize_int8(kernel, kernel_int8)  # as export-onnx --kernel --quantize int8 writes it
+    graphs = {"ours-onnx-kernel": [kernel], "bert-onnx-optimized": [], "ours-onnx-kernel-int8": [kernel_int8]}
+    graphs["bert-onnx-int8"] = []
+    for dynamo in (True, False):
+        kind = "dynamo" if dynamo else "torchscript"
+        path, optimized = folder / f"bert-{kind}.onnx", folder / f"bert-{kind}-optimized.onnx"
+        export_torch(bert, path, dynamo)
+        optimize(path, optimized, bert.config.hidden_size, bert.config.num_attention_heads)
+        graphs["bert-onnx-optimized"].append(optimized)
+        quantized = optimized.with_name(f"{optimized.stem}-int8.onnx")
+        try:
+            onnx_export.quantize_int8(optimized, quantized)
+            graphs["bert-onnx-int8"].append(quantized)
+        except RuntimeError as error:  # the quantizer's shape inference can stop at the optimizer's fused operators
+            print(f"{optimized.name}: not quantized ({str(error)[:120]})")
+    if not graphs["bert-onnx-int8"]:  # no optimized graph quantizes: BERT's plain graph, quantized the same way
+        quantized = folder / "bert-dynamo-int8.onnx"
+        onnx_export.quantize_int8(folder / "bert-dynamo.onnx", quantized)
+        graphs["bert-onnx-int8"].append(quantized)
+    return ours, bert, graphs
+
+
+def latency(ours, bert, graphs: dict, cases: list, thread_counts: list[int], repeats: int) -> tuple[list, dict]:
+    """Per thread count and case, the minimum and median seconds of each column over `repeats` interleaved rounds;
+    and each graph's max |onnxruntime - PyTorch| at the real tokens of the first case."""
+    rows, differences = [], {}
+    for threads in thread_counts:
+        torch.set_num_threads(threads)
+        sessions = {
+            path: onnx_export.session(path, threads, spinning=False) for paths in graphs.values() for path in paths
+        }
+
+        def call(column: str | Path, inputs: dict, feeds: dict, sessions: dict = sessions) -> None:
+            if column == "ours-pytorch":
+                with torch.inference_mode():
+                    ours(**inputs)
+            else:
+                sessions[column].run(None, feeds)
+
+        inputs = inputs_for(*cases[0], padded=True)
+        feeds = {name: value.numpy() for name, value in inputs.items()}
+        chosen = {}
+        for name, paths in graphs.items():  # a column with several candidates keeps the fastest of 3 calls
+            best = {path: min(timed(call, path, inputs, feeds) for _ in range(3)) for path in paths}
+            chosen[name] = min(paths, key=best.get)
+        if not differences:
+            for name, path in chosen.items():
+                differences[path.name] = check(path, bert if name.startswith("bert") else ours, inputs, threads)
+            print("max |onnxruntime - PyTorch| at real tokens:", differences, flush=True)
+            wrong = [path.name for name, path in chosen.items() if not name.endswith("int8")]
+            wrong = [name for name in wrong if not differences[name] <= CHECK_TOLERANCE]
+            if wrong:
+                raise SystemExit(f"{', '.join(wrong)}: not the model's outputs (tolerance {CHECK_TOLERANCE})")
+        columns = {name: chosen.get(name, name) for name in LATENCY_COLUMNS}  # ours-pytorch: its own name
+        for batch, length in cases:
+            inputs = inputs_for(batch, length, padded=True)
+            feeds = {name: value.numpy() for name, value in inputs.items()}
+            for column in columns.values():  # warm-up
+                call(column, inputs, feeds)
+            times = {name: [] for name in columns}
+            for _ in range(repeats):
+                for name, column in columns.items():
+                    times[name].append(timed(call, column, inputs, feeds))
+            row = {
+                "case": f"{batch}x{length}",
+                "threads": threads,
+                "min": {name: min(values) for name, values in times.items()},
+                "median": {name: statistics.median(values) for name, values in times.items()},
+                "graphs": {name: path.name for name, path in chosen.items()},
+            }
+            print(row, flush=True)
+            rows.append(row)
+    return rows, differences
+
+
+def timed(call, *arguments) -> float:
+    start = time.perf_counter()
+    call(*arguments)
+    return time.perf_counter() - start
+
+
+LATENCY_SHOWN = {
+    "ours-onnx-kernel": "ours, --kernel graph",
+    "bert-onnx-optimized": "BERT-base, optimized",
+    "ours-pytorch": "ours in PyTorch",
+    "ours-onnx-kernel-int8": "ours, --kernel graph",
+    "bert-onnx-int8": "BERT-base",
+}
+LATENCY_RATIOS = {  # what the serving page divides: (numerator, denominator)
+    "--kernel / BERT": ("ours-onnx-kernel", "bert-onnx-optimized"),
+    "PyTorch / BERT": ("ours-pytorch", "bert-onnx-optimized"),
+    "int8: --kernel / BERT": ("ours-onnx-kernel-int8", "bert-onnx-int8"),
+}
+
+
+def latency_markdown(figures: dict) -> str:
+    """The serving page's latency tables, narrow enough for the page: float32 milliseconds, int8 milliseconds, and
+    the ratios of the medians."""
+
+    def table(columns: dict, cell) -> list[str]:
+        """`columns`: header -> what `cell(row, what)` shows."""
+        lines = ["| request | threads | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)]
+        for row in figures["cases"]:
+            cells = " | ".join(cell(row, what) for what in columns.values())
+            lines.append(f"| {row['case']} | {row['threads']} | {cells} |")
+        return lines
+
+    def milliseconds(row: dict, name: str) -> str:
+        return f"{row['median'][name] * 1000:,.1f} ({row['min'][name] * 1000:,.1f})"
+
+    def ratio(row: dict, pair: tuple[str, str]) -> str:
+        return f"{row['median'][pair[0]] / row['median'][pair[1]]:.2f}"
+
+    float32 = {LATENCY_SHOWN[name]: name for name in LATENCY_COLUMNS[:3]}
+    int8 = {LATENCY_SHOWN[name]: name for name in LATENCY_COLUMNS[3:]}
+    of = f"median (fastest) of {figures['repeats']} calls"
+    return "\n".join(
+        [f"float32, ms per request, {of}:", "", *table(float32, milliseconds), "",
+         f"int8, ms per request, {of}:", "", *table(int8, milliseconds), "",
+         "Time over BERT-base's in ONNX Runtime, of the medians (below 1.00: ours is faster):", "",
+         *table(LATENCY_RATIOS, ratio)]
+    )  # fmt: skip
+
+
 MEMORY_CHILD = """
 import resource, sys, numpy
 resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[3]) << 30, int(sys.argv[3]) << 30))
@@ -311,7 +462,24 @@ def markdown(rows: list[dict], memory_figures: dict, layers: int) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke test: 1 layer, 8x128, one round, no memory")
-    parser.add_argument("--layers", type=int, default=None, help="layers of every model (default 2; 1 with --quick)")
+    parser.add_argument(
+        "--per-request",
+        action="store_true",
+        help="serving latency: 1x128, 1x512, 8x128 on 1 thread and all cores, --kernel graph, BERT, PyTorch, int8",
+    )
+    parser.add_argument(
+        "--thread-counts",
+        type=int,
+        nargs="+",
+        default=None,
+        help="--per-request: thread counts (default 1 and the cores this process may use; 1 with --quick)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="layers of every model (default 2, 12 with --per-request; 1 with --quick)",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 5; 1 with --quick)")
     parser.add_argument("--threads", type=int, default=2, help="threads for torch and onnxruntime (default 2)")
     parser.add_argument("--no-memory", action="store_true", help="timing only")
@@ -319,6 +487,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--records", type=Path, default=records.RECORDS, help="where onnx_runtime.jsonl gets a record")
     args = parser.parse_args(argv)
+    if args.per_request:
+        return main_per_request(args, argv)
     torch.set_num_threads(args.threads)
     layers = args.layers or (1 if args.quick else 2)
     repeats = args.repeats or (1 if args.quick else 5)
@@ -363,6 +533,54 @@ def main(argv: list[str] | None = None) -> dict:
         }
         record = records.append_record("onnx_runtime", figures, command=report["command"].split(), folder=args.records)
         print(f"appended a record to {args.records / 'onnx_runtime.jsonl'} (commit {record['commit']})")
+    return report
+
+
+def main_per_request(args: argparse.Namespace, argv: list[str] | None) -> dict:
+    """`--per-request`: the serving latency of `latency`, its tables, and its record."""
+    cores = len(os.sched_getaffinity(0))
+    thread_counts = args.thread_counts or ([1] if args.quick else sorted({1, cores}))
+    layers = args.layers or (1 if args.quick else 12)
+    repeats = args.repeats or (1 if args.quick else 5)
+    cases = LATENCY_CASES[:1] if args.quick else LATENCY_CASES
+    transformers.logging.set_verbosity_error()
+    import onnxruntime
+
+    report = {
+        "command": "python -m benchmarks.onnx_runtime " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": machine.describe(),
+        "versions": f"onnxruntime {onnxruntime.__version__}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}",
+    }
+    print(report["machine"], flush=True)
+    with tempfile.TemporaryDirectory() as temporary:
+        folder = args.folder or Path(temporary)
+        folder.mkdir(parents=True, exist_ok=True)
+        ours, bert, graphs = prepare_latency(layers, folder)
+        rows, differences = latency(ours, bert, graphs, cases, thread_counts, repeats)
+    torch.set_num_threads(max(thread_counts))  # the record's threads: the most this run used
+    figures = {
+        "per_request": True,
+        "layers": layers,
+        "repeats": repeats,
+        "thread_counts": thread_counts,
+        "cores": cores,
+        "dtype": "float32 and int8",
+        "spinning": False,
+        "versions": report["versions"],
+        "cases": rows,
+        "max_abs_diff": differences,
+    }
+    report.update(figures)
+    report["markdown"] = latency_markdown(figures)
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = "onnx_runtime_latency-quick.json" if args.quick else "onnx_runtime_latency.json"
+    (args.out / name).write_text(json.dumps(report, indent=2, default=str))
+    print(report["markdown"])
+    if not args.quick:
+        command = report["command"].split()
+        record = records.append_record("onnx_runtime_latency", figures, command=command, folder=args.records)
+        print(f"appended a record to {args.records / 'onnx_runtime_latency.jsonl'} (commit {record['commit']})")
     return report
 
 
