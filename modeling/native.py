@@ -20,9 +20,17 @@ compiled with the system's C compiler (`cc -O3 -fopenmp -shared` and the set's f
 AVX-512, so that AMX comes with it where the processor has it; about a second) into a cache folder keyed by the
 sources, the compiler, the flags, the set and the processor's flags (DISENTANGLED_CACHE, else
 ~/.cache/disentangled), written under a temporary name and renamed, so that a failed or concurrent build leaves
-nothing half-written. Where that cannot happen (no source, no compiler, a failed build, no vector set, not Linux, or
-DISENTANGLED_NATIVE=0) `available()` is False and the callers take the pure-PyTorch path; the tests compare both
-against eager.
+nothing half-written.
+
+A machine without a compiler loads a library built ahead of time (`disentangled build-kernels DIR` writes one per
+machine kind and vector set, with the set's own flags and none of the build machine's, `PORTABLE_FLAGS`): from the
+folder DISENTANGLED_KERNELS names (always, where it is set), else from the package's own `prebuilt/` folder, which a
+wheel carries. The set is chosen from the processor's flags as above. A library's name carries the version of the
+kernels it was built from (`kernels_version`, a digest of the C source and its headers), and a library of another
+version is refused with a ValueError naming both, never run. `loaded_library()` says which library runs and where
+it came from (`disentangled env` prints it). Where none of this can happen (no source, no compiler and no prebuilt
+library, a failed build, no vector set, not Linux, or DISENTANGLED_NATIVE=0) `available()` is False and the callers
+take the pure-PyTorch path; the tests compare both against eager.
 
 In `modeling/`'s layering (`__init__.py`): layer 3, the compiled CPU kernels.
 """
@@ -278,9 +286,78 @@ BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Werror=impl
 SET_FLAGS = {"avx512": ("-march=native",), "avx2": ("-mavx2", "-mfma", "-mtune=native"), "neon": ()}
 
 
+# Each set's flags in a library built for other machines of its kind (`build_prebuilt`, and ONNX Runtime's operator
+# library): the set's own vector units, nothing of the build machine's, so no AMX. AVX-512 takes VL with F and BW (its
+# 256-bit loads), as every processor with BW has it.
+PORTABLE_FLAGS = {
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"),
+    "avx2": ("-mavx2", "-mfma"),
+    "neon": (),
+}
+MACHINE_SETS = {"x86_64": ("avx512", "avx2"), "aarch64": ("neon",)}  # the vector sets of each machine kind
+KERNELS = "DISENTANGLED_KERNELS"  # a folder of prebuilt libraries (`disentangled build-kernels DIR`)
+PREBUILT = Path(__file__).with_name("prebuilt")  # the package's own prebuilt libraries, where a wheel carries them
+
+
 def flags_for(name: str) -> tuple[str, ...]:
     """The compiler flags of the build for vector set `name` ("avx512", "avx2" or "neon")."""
     return BASE_FLAGS[:1] + SET_FLAGS[name] + BASE_FLAGS[1:]
+
+
+def compile_command(compiler: str, flags: tuple[str, ...], source: Path, output: Path) -> list[str]:
+    """The command that compiles `source` (position_bias.c, or a file that includes it) with `flags` into `output`."""
+    return [compiler, *flags, f"-I{SOURCE.parent}", str(source), "-o", str(output)]
+
+
+def machine_kind(machine: str | None = None) -> str:
+    """The machine kind of `machine` (default: this one) as the libraries are named: x86_64, aarch64 or as given."""
+    machine = (machine or platform.machine()).lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
+def kernels_version() -> str:
+    """The version of the kernels: the first 12 hex digits of the SHA-256 of the C source and its headers. A prebuilt
+    library's name carries the version it was built from."""
+    digest = hashlib.sha256(b"\0".join(path.read_bytes() for path in (SOURCE, *HEADERS)))
+    return digest.hexdigest()[:12]
+
+
+def prebuilt_name(machine: str, name: str, version: str) -> str:
+    """The file name of a prebuilt library: position_bias-<machine kind>-<vector set>-<kernels version>.so."""
+    return f"{SOURCE.stem}-{machine}-{name}-{version}.so"
+
+
+def build_prebuilt(folder: Path, machine: str, name: str, compiler: str) -> Path:
+    """position_bias.c compiled for vector set `name` of machine kind `machine` with `compiler` and the set's portable
+    flags (`PORTABLE_FLAGS`, with OpenMP) into `folder` as `prebuilt_name` says, under a temporary name first. Raises
+    subprocess.CalledProcessError where the compiler fails."""
+    flags = BASE_FLAGS[:1] + PORTABLE_FLAGS[name] + BASE_FLAGS[1:]
+    library = Path(folder) / prebuilt_name(machine, name, kernels_version())
+    with tempfile.TemporaryDirectory(dir=folder) as scratch:
+        partial = Path(scratch) / library.name
+        subprocess.run(compile_command(compiler, flags, SOURCE, partial), check=True, capture_output=True)
+        os.replace(partial, library)
+    return library
+
+
+def _prebuilt(folder: Path, name: str, where: str) -> tuple[Path | None, str]:
+    """The library of vector set `name` for this machine kind in `folder` (`where` names the folder in messages):
+    (its path, "") or (None, why there is none). A ValueError where the folder holds that set's library of another
+    version of the kernels: such a library would compute with another contract."""
+    machine, version = machine_kind(), kernels_version()
+    library = folder / prebuilt_name(machine, name, version)
+    if library.is_file():
+        return library, ""
+    others = sorted(folder.glob(prebuilt_name(machine, name, "*")))
+    if others:
+        found = ", ".join(path.stem.rsplit("-", 1)[1] for path in others)
+        raise ValueError(
+            f"{where} holds the {machine} {name} kernels of version {found}, but this package's kernels are version "
+            f"{version}: build that folder again with this package (disentangled build-kernels {folder}), or unset "
+            f"{KERNELS} on a machine with a C compiler"
+        )
+    held = ", ".join(sorted(path.name for path in folder.glob(f"{SOURCE.stem}-*.so"))) or "no kernel library"
+    return None, f"{where} has no library of the {name} kernels for {machine} (it holds {held})"
 
 
 def compiled(source: Path, flags: tuple[str, ...], name: str, stem: str | None = None) -> tuple[Path | None, str]:
@@ -300,8 +377,7 @@ def compiled(source: Path, flags: tuple[str, ...], name: str, stem: str | None =
             cache.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=cache) as folder:
                 partial = Path(folder) / library.name
-                command = [compiler, *flags, f"-I{SOURCE.parent}", str(source), "-o", str(partial)]
-                subprocess.run(command, check=True, capture_output=True)
+                subprocess.run(compile_command(compiler, flags, source, partial), check=True, capture_output=True)
                 os.replace(partial, library)
         except (OSError, subprocess.CalledProcessError) as error:
             detail = getattr(error, "stderr", b"") or b""
@@ -320,11 +396,24 @@ def _build(flags: tuple[str, ...] | None = None, name: str | None = None) -> cty
     if not SOURCE.is_file() or not all(header.is_file() for header in HEADERS):
         _state["why"] = "no kernel source beside native.py (an install without the package's data files)"
         return None
-    flags = flags or flags_for(name)
-    library, why = compiled(SOURCE, flags, name)
+    folder = os.environ.get(KERNELS)
+    if folder and flags is None:
+        library, why = _prebuilt(Path(folder), name, f"{KERNELS}={folder}")
+        if library is None:
+            raise ValueError(f"{why}: build it there with `disentangled build-kernels {folder}`, or unset {KERNELS}")
+        origin = KERNELS
+    elif _compiler() is None and flags is None and PREBUILT.is_dir():
+        library, why = _prebuilt(PREBUILT, name, "the package's prebuilt folder")
+        why = f"no C compiler (cc, gcc or clang) on PATH, and {why}"
+        origin = "the wheel"
+    else:
+        flags = flags or flags_for(name)
+        library, why = compiled(SOURCE, flags, name)
+        origin = "built here"
     if library is None:
         _state["why"] = why
         return None
+    _state["loaded"] = (library, origin)
     try:
         loaded = ctypes.CDLL(str(library))
     except OSError as error:
@@ -353,7 +442,8 @@ def _build(flags: tuple[str, ...] | None = None, name: str | None = None) -> cty
     loaded.column_rule.restype = ctypes.c_char_p
     built = loaded.instruction_set().decode()
     if built != name:
-        _state["why"] = f"the compiler built {SOURCE.name} for {built}, not {name} (flags {' '.join(flags)})"
+        _state.pop("loaded")
+        _state["why"] = f"{library} was built for {built}, not {name} ({origin})"
         return None
     return loaded
 
@@ -388,6 +478,12 @@ def available() -> bool:
 def why_unavailable() -> str | None:
     """The reason `available()` is False, or None."""
     return None if available() else _state.get("why")
+
+
+def loaded_library() -> tuple[Path, str] | None:
+    """The kernels' library that runs here and where it comes from ("built here" into the cache, KERNELS, or "the
+    wheel": the package's prebuilt folder), or None where none runs."""
+    return _state.get("loaded") if available() else None
 
 
 def position_bias(

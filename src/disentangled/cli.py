@@ -33,6 +33,10 @@ COMMANDS = {
         "disentangled.explain.explanation",
         "show each attention term (c2c, c2p, p2c, p2p) of a model on a text or averaged over a file of texts",
     ),
+    "build-kernels": (
+        "disentangled.serving.prebuilt",
+        "write the CPU kernels' libraries (PyTorch's and ONNX Runtime's) into a folder, for machines without a compiler",
+    ),
     "env": (
         "disentangled.environment",
         "print the versions, processor, GPUs and attention paths of this machine (paste it into a bug report)",

@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -37,6 +36,7 @@ import threading
 from pathlib import Path
 
 from ..modeling import native
+from ..modeling.native import machine_kind
 
 SOURCE = Path(__file__).with_name("ort_attention.c")
 DISPATCH = Path(__file__).with_name("ort_dispatch.c")
@@ -45,11 +45,8 @@ OPERATOR = "Attention"
 OPERATOR_VERSION = 1  # ort_attention.c's OPERATOR_VERSION: a change of the operator's inputs or meaning raises both
 MIN_ONNXRUNTIME = (1, 17)
 # Per machine kind, each unit's instruction set and flags, best first (ort_dispatch.c checks the processor for each
-# flag); AVX-512's needs VL besides F and BW (its 256-bit bfloat16 loads), as x86-64-v4 has.
-UNITS = {
-    "x86_64": {"avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"), "avx2": ("-mavx2", "-mfma")},
-    "aarch64": {"neon": ()},
-}
+# flag): the portable flags the PyTorch kernels' prebuilt libraries take too.
+UNITS = {machine: {name: native.PORTABLE_FLAGS[name] for name in sets} for machine, sets in native.MACHINE_SETS.items()}
 FLAGS = ("-O3", "-fPIC", "-std=gnu11", "-Werror=implicit-function-declaration")
 CROSS_COMPILERS = {"aarch64": "aarch64-linux-gnu-gcc"}  # for a library of another machine kind than this one
 SIDECAR = "disentangled_attention.json"
@@ -66,12 +63,6 @@ def _onnxruntime_too_old() -> str | None:
         wanted = ".".join(map(str, MIN_ONNXRUNTIME))
         return f"onnxruntime {onnxruntime.__version__} is older than {wanted} (pip install 'onnxruntime>={wanted}')"
     return None
-
-
-def machine_kind(machine: str | None = None) -> str:
-    """The machine kind of `machine` (default: this one) as the libraries are named: x86_64, aarch64 or as given."""
-    machine = (machine or platform.machine()).lower()
-    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
 
 
 def library_name(machine: str | None = None) -> str:
