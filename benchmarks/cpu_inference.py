@@ -15,14 +15,11 @@ ratios to BERT. Every variant's output is checked equal to the model's (a `--bas
 - `fresh-buffers`: every call allocates its buffers (KEEP_WORKSPACE=False), as before they were kept;
 - `no-kernel`: the pure-PyTorch path where the compiled bias kernel runs (CPU_KERNEL=False; the variants below
   tune that path, so they turn the kernel off too);
-- `no-fused`: the bias kernel and SDPA where the fused attention runs in float32 (FUSED_FLOAT32=False);
 - `kernel-split-always`: the bias kernel and SDPA (CPU_FUSED=False), the far keys split off at every length
   (KERNEL_SPLIT_LENGTH=0);
 - `whole-row-add`: the add of the c2p and p2c views over whole block rows (ADD_CHUNK_KEYS above any length);
 - `band-32-keys`, `band-128-keys`: U's bands of 32 or 128 keys (BAND_TABLE_KEYS), not 64;
 - `unpadded-products`: T and U products of their exact widths (PRODUCT_COLUMNS_MULTIPLE=1), not multiples of 16;
-- `gelu-out-of-place`: the feed-forward's GELU into a new tensor (IN_PLACE_GELU=False), not in place;
-- `ffn-fresh`: the feed-forward's product into a new tensor (FFN_WORKSPACE=False), not the kept workspace;
 - `at-REV` (with `--baseline REV`): `_attend_by_distance` as it was at git revision REV (that commit's
   `modeling/cpu_inference.py`, or `modeling/disentangled_attention.py` before the attention code was split into
   files, loaded beside this one), for a change that is not a module constant.
@@ -61,14 +58,11 @@ VARIANTS = {
     "as-is": {},
     "fresh-buffers": {"KEEP_WORKSPACE": False},
     "no-kernel": PYTORCH,
-    "no-fused": {"FUSED_FLOAT32": False},
     "kernel-split-always": {"CPU_FUSED": False, "KERNEL_SPLIT_LENGTH": 0},
     "whole-row-add": {**PYTORCH, "ADD_CHUNK_KEYS": 1 << 30},
     "band-32-keys": {**PYTORCH, "BAND_TABLE_KEYS": 32},
     "band-128-keys": {**PYTORCH, "BAND_TABLE_KEYS": 128},
     "unpadded-products": {**PYTORCH, "PRODUCT_COLUMNS_MULTIPLE": 1},
-    "gelu-out-of-place": {"IN_PLACE_GELU": False},
-    "ffn-fresh": {"FFN_WORKSPACE": False},
 }
 # the module each setting is read from (the switches: `dispatch`; `_attend_by_distance`: where `sdpa_disentangled`
 # calls it)
@@ -79,10 +73,7 @@ HOMES = {
     "PRODUCT_COLUMNS_MULTIPLE": by_distance,
     "CPU_KERNEL": dispatch,
     "KERNEL_SPLIT_LENGTH": by_distance,
-    "FUSED_FLOAT32": dispatch,
     "CPU_FUSED": dispatch,
-    "IN_PLACE_GELU": dispatch,
-    "FFN_WORKSPACE": dispatch,
     "_attend_by_distance": sdpa_attention,
 }
 
@@ -356,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
                     outputs[variant] = ours(**inputs).last_hidden_state
                 # the variants of one path only regroup the same sums: equal; the other paths (the pure-PyTorch one,
                 # the fused attention's), the far keys' merge and an earlier commit sum in another order
-                other_paths = ("CPU_KERNEL", "KERNEL_SPLIT_LENGTH", "FUSED_FLOAT32")
+                other_paths = ("CPU_KERNEL", "CPU_FUSED", "KERNEL_SPLIT_LENGTH")
                 other_sums = variant.startswith("at-") or any(name in variants[variant] for name in other_paths)
                 tolerance = 1e-5 if other_sums else 0.0
                 if not torch.allclose(outputs[variant], outputs["as-is"], rtol=tolerance, atol=tolerance):

@@ -6,7 +6,6 @@
     python -m benchmarks.train_step --cases 2x512 --threads 2 --no-eager --baseline c965533 --back-to-back
     python -m benchmarks.train_step --cases 2x512 --threads 2 --no-eager --baseline c965533 --dtype bfloat16
     python -m benchmarks.train_step --cases 4x128 2x512 --threads 2 --no-eager --pytorch-dropout --processes 3
-    python -m benchmarks.train_step --cases 4x128 8x128 2x512 --threads 2 --no-eager --whole-tables --processes 3
 
 The models, weights and inputs of `benchmarks.run` (v3-base shape, dropout as in training, the last row padded to
 3/4), run interleaved (or, with `--back-to-back`, each model's steps one after another, as when one model trains
@@ -18,8 +17,7 @@ path is timed against what it replaced in the same process; its gradients are ch
 first (2e-2 in bfloat16). `--dtype bfloat16` runs each step under CPU autocast, as `benchmarks.run` does.
 `--processes N` runs the comparison in N fresh processes and prints each ratio's median over them with its range.
 `--pytorch-dropout` also times the sdpa model with dropout's decisions drawn by PyTorch's generator
-(`dispatch.DROPOUT_KERNEL = False`), not by the compiled kernel. `--whole-tables` also times it with the kernel
-reading whole position tables where it would read banded ones (`dispatch.BANDED_TABLES = False`).
+(`dispatch.DROPOUT_KERNEL = False`), not by the compiled kernel.
 """
 
 from __future__ import annotations
@@ -40,7 +38,6 @@ from benchmarks.run import build_models, in_fresh_processes, inputs_for, print_r
 from disentangled.modeling import dispatch, modeling_disentangled, sdpa_attention
 
 PYTORCH_DROPOUT = "ours-sdpa, PyTorch's dropout draws"
-WHOLE_TABLES = "ours-sdpa, whole position tables"
 
 
 def gradients(model, inputs, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -65,8 +62,6 @@ def timings(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     steps = dict(models)
     if args.pytorch_dropout:
         steps[PYTORCH_DROPOUT] = ours
-    if args.whole_tables:
-        steps[WHOLE_TABLES] = ours
     if baseline is not None:
         steps[f"ours-sdpa at {args.baseline}"] = ours
     functions = modeling_disentangled.DISENTANGLED_ATTENTION_FUNCTIONS
@@ -77,7 +72,7 @@ def timings(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         """Seconds of one step of `name`, and the minor page faults it took (first touches of fresh memory)."""
         functions["sdpa"] = baseline if name.startswith("ours-sdpa at") else sdpa_attention.sdpa_disentangled
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        with dispatch.switched(DROPOUT_KERNEL=name != PYTORCH_DROPOUT, BANDED_TABLES=name != WHOLE_TABLES):
+        with dispatch.switched(DROPOUT_KERNEL=name != PYTORCH_DROPOUT):
             seconds = time_once(steps[name], inputs, True, dtype)
         return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
@@ -148,11 +143,6 @@ def main(argv: list[str] | None = None) -> None:
         "--pytorch-dropout",
         action="store_true",
         help="also time ours-sdpa with dropout's decisions by PyTorch's generator",
-    )
-    parser.add_argument(
-        "--whole-tables",
-        action="store_true",
-        help="also time ours-sdpa with CPU training's kernel reading whole position tables, not banded ones",
     )
     parser.add_argument("--child-results", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -22,14 +22,24 @@ why, and `log_fallback` writes one debug line for the call to the logger `disent
 same in the package and in the Hub bundle). Where the user asked for an implementation that cannot serve the call
 (flex with dropout, say), the attention layer also warns once.
 
-Switches. Users set environment variables; tests and benchmarks set this module's attributes, best through
-`switched(...)`, which checks the names and restores the values:
+Switches (`SWITCHES`, the one list; docs/reporting.md gives the same): each narrows a call to another path, for a bug
+report or a comparison, and none changes what a call computes. Users set the environment variable before Python
+starts; tests and benchmarks set this module's attribute, best through `switched(...)`, which checks the names and
+restores the values. Every reader asks `switch_value(name)`.
 
-    DISENTANGLED_TRITON=0|1|check   TRITON: the Triton kernel on CUDA off; on; on after a self-check of each kind of
-                                    call on first use (the default; `kernel_check.py`)
-    DISENTANGLED_NATIVE=0           the CPU kernels (`native.py`) not built nor used; read where they are built
-    DISENTANGLED_CACHE=FOLDER       where the CPU kernels are built and the self-check's verdicts kept
-    CPU_KERNEL, CPU_FUSED, FUSED_FLOAT32, TRAINING_KERNEL, FLEX_COMPILED, KEEP_WORKSPACE: attributes only (below)
+    TRITON           DISENTANGLED_TRITON=0|1|check   the Triton kernel on CUDA off; on; on after a self-check of each
+                                                     kind of call on first use (the default; `kernel_check.py`)
+    CPU_KERNEL       DISENTANGLED_CPU_KERNEL=0       CPU inference in PyTorch alone (cpu-by-distance)
+    CPU_FUSED        DISENTANGLED_CPU_FUSED=0        CPU inference by the bias kernel, not the fused attention
+    TRAINING_KERNEL  DISENTANGLED_TRAINING_KERNEL=0  CPU training in PyTorch alone (cpu-training)
+    DROPOUT_KERNEL   DISENTANGLED_DROPOUT_KERNEL=0   dropout's decisions on the CPU by PyTorch's generator
+    FLEX_COMPILED    DISENTANGLED_FLEX_COMPILED=0    flex_attention's dense reference of the same score_mod
+    KEEP_WORKSPACE   DISENTANGLED_KEEP_WORKSPACE=0   the CPU paths' buffers made afresh on every call
+
+Read elsewhere, where what they govern is made: DISENTANGLED_NATIVE=0 (the CPU kernels neither built nor used),
+DISENTANGLED_CPU_ISA (the instruction set they are built for) and DISENTANGLED_BFLOAT16_WARNING=0 (no warning on a
+processor without bfloat16 arithmetic) in `native.py`; DISENTANGLED_CACHE (where the kernels are built and the
+self-check's verdicts kept) in `native.py` and `kernel_check.py`.
 
 The Hub bundle (`conversion/bundle.py`) carries neither `native.py` nor `kernel_check.py`: this file imports them
 where they are, and the other modules reach them through it. Without them the CPU kernels' paths and the self-checked
@@ -72,31 +82,33 @@ NOT_IN_THE_BUNDLE = "not in the Hub bundle (pip install disentangled)"
 logger = logging.getLogger("disentangled.dispatch")
 _THIS_MODULE = sys.modules[__name__]
 
-# The switches, read on every decision (so a test or a benchmark may change them between calls); SWITCHES lists them.
-TRITON = os.environ.get("DISENTANGLED_TRITON", "check")  # "0", "1" or "check"
-CPU_KERNEL = True  # the compiled CPU kernels in inference (False: the pure-PyTorch path everywhere; tests, A/B timing)
-CPU_FUSED = True  # the fused CPU attention (`cpu_inference._attend_fused`) where it can run (False: the bias kernel)
-FUSED_FLOAT32 = True  # float32 takes the fused attention too (False: the bias kernel and SDPA; A/B timing)
-TRAINING_KERNEL = True  # CPU training's bias and its gradient by the compiled kernel (`native.hankel_bias`)
-DROPOUT_KERNEL = True  # dropout's decisions in CPU training by the compiled kernel (False: PyTorch's generator)
-BANDED_TABLES = True  # CPU training's kernel reads banded tables where they save enough (False: whole ones; A/B)
-FLEX_COMPILED = True  # flex_attention compiled (False: its dense reference of the same score_mod; tests)
-KEEP_WORKSPACE = True  # the blocked CPU paths keep their buffers between calls (False: fresh ones each call)
-IN_PLACE_GELU = True  # the feed-forward's exact GELU in place where no graph needs its input (False: A/B timing)
-FFN_WORKSPACE = True  # CPU inference writes the feed-forward's product into the kept workspace (False: A/B timing)
-SWITCHES = {  # name: (the environment variable users set, or None: an attribute only), what it turns on
-    "TRITON": ("DISENTANGLED_TRITON", "the Triton kernel on CUDA: '0' off, '1' on, 'check' on after a self-check"),
-    "CPU_KERNEL": (None, "the compiled CPU kernels in inference (bias kernel and fused attention)"),
-    "CPU_FUSED": (None, "the fused CPU attention where it can run"),
-    "FUSED_FLOAT32": (None, "the fused CPU attention in float32 too"),
-    "TRAINING_KERNEL": (None, "CPU training's bias and its gradient by the compiled kernel"),
-    "DROPOUT_KERNEL": (None, "dropout's decisions in CPU training by the compiled kernel"),
-    "BANDED_TABLES": (None, "CPU training's kernel reads banded position tables where they save enough"),
-    "FLEX_COMPILED": (None, "flex_attention compiled, not its dense reference"),
-    "KEEP_WORKSPACE": (None, "the blocked CPU paths keep their buffers between calls"),
-    "IN_PLACE_GELU": (None, "the feed-forward's exact GELU in place where no graph needs its input"),
-    "FFN_WORKSPACE": (None, "CPU inference writes the feed-forward's product into the kept workspace"),
+# The switches (`SWITCHES`): module attributes, each set from its environment variable when this module is imported
+# and read on every decision through `switch_value` (so a test or a benchmark may change them between calls).
+SWITCHES = {  # name: (the environment variable, its default, what setting it to 0 changes)
+    "TRITON": ("DISENTANGLED_TRITON", "check", "0: the Triton kernel on CUDA off; 1: on without its self-check"),
+    "CPU_KERNEL": ("DISENTANGLED_CPU_KERNEL", "1", "CPU inference in PyTorch alone, not by the compiled kernels"),
+    "CPU_FUSED": ("DISENTANGLED_CPU_FUSED", "1", "CPU inference by the bias kernel, not the fused attention"),
+    "TRAINING_KERNEL": ("DISENTANGLED_TRAINING_KERNEL", "1", "CPU training's bias and its gradient in PyTorch"),
+    "DROPOUT_KERNEL": ("DISENTANGLED_DROPOUT_KERNEL", "1", "dropout's decisions on the CPU by PyTorch's generator"),
+    "FLEX_COMPILED": ("DISENTANGLED_FLEX_COMPILED", "1", "flex_attention's dense reference, not the compiled one"),
+    "KEEP_WORKSPACE": ("DISENTANGLED_KEEP_WORKSPACE", "1", "the CPU paths' buffers made afresh on every call"),
 }
+
+
+def _from_environment(name: str):
+    """A switch's value as its environment variable sets it (TRITON: the string; the others: on unless "0")."""
+    variable, default, _ = SWITCHES[name]
+    value = os.environ.get(variable, default)
+    return value if name == "TRITON" else value != "0"
+
+
+TRITON = _from_environment("TRITON")  # "0", "1" or "check"
+CPU_KERNEL = _from_environment("CPU_KERNEL")
+CPU_FUSED = _from_environment("CPU_FUSED")
+TRAINING_KERNEL = _from_environment("TRAINING_KERNEL")
+DROPOUT_KERNEL = _from_environment("DROPOUT_KERNEL")
+FLEX_COMPILED = _from_environment("FLEX_COMPILED")
+KEEP_WORKSPACE = _from_environment("KEEP_WORKSPACE")
 TRITON_VALUES = ("0", "1", "check")
 # The fused CPU kernel's workspace, all threads together, at most this (U of one plane per thread, in float32: 150 MiB
 # for 32,768 tokens on 2 threads); beyond it, the bias by blocks.
@@ -322,8 +334,9 @@ def decide(call: Call) -> Decision:
     if implementation == "flex_attention":
         why = _flex_refusal(call)
         if why is None:
-            path = "flex" if FLEX_COMPILED else "flex-reference"
-            reason = "asked for" + ("" if FLEX_COMPILED else " (FLEX_COMPILED off: the dense reference)")
+            compiled = switch_value("FLEX_COMPILED")
+            path = "flex" if compiled else "flex-reference"
+            reason = "asked for" + ("" if compiled else " (FLEX_COMPILED off: the dense reference)")
             return Decision("flex_attention", path, reason, tuple(skipped))
         skipped.append(("flex", why))
         implementation = "sdpa"
@@ -400,8 +413,8 @@ def _native_refusal(call: Call) -> str | None:
 
 
 def _bias_kernel_refusal(call: Call) -> str | None:
-    if not CPU_KERNEL:
-        return "switched off (dispatch.CPU_KERNEL = False)"
+    if not switch_value("CPU_KERNEL"):
+        return "switched off (dispatch.CPU_KERNEL; DISENTANGLED_CPU_KERNEL=0)"
     if call.heads * call.length * _columns(call.width) > KERNEL_TABLE_ELEMENTS:
         return "a sequence's p2c table would exceed dispatch.KERNEL_TABLE_ELEMENTS"
     if (why := _native_refusal(call)) is not None:
@@ -412,12 +425,10 @@ def _bias_kernel_refusal(call: Call) -> str | None:
 
 
 def _fused_refusal(call: Call) -> str | None:
-    if not CPU_KERNEL:
-        return "switched off (dispatch.CPU_KERNEL = False)"
-    if not CPU_FUSED:
-        return "switched off (dispatch.CPU_FUSED = False)"
-    if call.dtype == torch.float32 and not FUSED_FLOAT32:
-        return "float32 switched off (dispatch.FUSED_FLOAT32 = False)"
+    if not switch_value("CPU_KERNEL"):
+        return "switched off (dispatch.CPU_KERNEL; DISENTANGLED_CPU_KERNEL=0)"
+    if not switch_value("CPU_FUSED"):
+        return "switched off (dispatch.CPU_FUSED; DISENTANGLED_CPU_FUSED=0)"
     if call.head_size != 64:
         return f"it takes 64 dimensions per head, not {call.head_size}"
     if call.mask not in ("none", "keys"):
@@ -434,8 +445,8 @@ def _fused_refusal(call: Call) -> str | None:
 
 
 def _training_kernel_refusal(call: Call) -> str | None:
-    if not TRAINING_KERNEL:
-        return "switched off (dispatch.TRAINING_KERNEL = False)"
+    if not switch_value("TRAINING_KERNEL"):
+        return "switched off (dispatch.TRAINING_KERNEL; DISENTANGLED_TRAINING_KERNEL=0)"
     return _native_refusal(call)
 
 

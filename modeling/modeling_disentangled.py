@@ -429,17 +429,16 @@ class DisentangledIntermediate(nn.Module):
         return self.intermediate_act_fn(hidden_states)
 
     def _nothing_sees_the_product(self) -> bool:
-        """No hook (the dense layer's own or a global one) may hold the product, no graph is traced, and the switch
-        is on."""
-        return not hooked(self.dense) and not is_tracing() and switch_value("IN_PLACE_GELU")
+        """No hook (the dense layer's own or a global one) may hold the product, and no graph is traced."""
+        return not hooked(self.dense) and not is_tracing()
 
 
 def _product_into_workspace(dense: nn.Module, hidden_states: Tensor, positions: RelativePositions) -> Tensor | None:
     """`dense(hidden_states)` written into the buffer "intermediate" of the forward's workspace, which every layer
     and later call reuses: the feed-forward's [tokens, intermediate] product, a tensor that above 32 MiB (2,731
     tokens of v3-base in float32) glibc maps afresh on every allocation, its pages faulting in as the product
-    writes them. In CPU inference through a plain `nn.Linear` without autocast, while nothing traces and the
-    switch is on; None (the caller's own product) elsewhere. The caller has made sure that no hook can hold the
+    writes them. In CPU inference through a plain `nn.Linear` without autocast, while nothing traces; None (the
+    caller's own product) elsewhere. The caller has made sure that no hook can hold the
     product or what is made in place from it, since the next layer overwrites it."""
     if (
         hidden_states.device.type != "cpu"
@@ -448,7 +447,6 @@ def _product_into_workspace(dense: nn.Module, hidden_states: Tensor, positions: 
         or torch.is_autocast_enabled("cpu")
         or hidden_states.dtype != dense.weight.dtype
         or is_tracing()
-        or not switch_value("FFN_WORKSPACE")
     ):
         return None
     flat = hidden_states.reshape(-1, hidden_states.shape[-1])

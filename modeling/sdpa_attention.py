@@ -60,7 +60,7 @@ SDPA_BLOCK_ELEMENTS_ACCELERATOR = 1 << 26
 # tokens with v3's buckets), so each tile's product is made against those rows of Kr or Qr alone. Banded where the
 # band is at most BAND_MOST of the table's width and a group holds BAND_SEQUENCES sequences or more, so that each
 # tile's product has 128 lines at least (v3's buckets and 12 heads: 90 to 209 tokens). Whole tables took 1.02 and 1.03
-# times as long a training step at 4x128 and 8x128 on a 2-core EPYC (`benchmarks.train_step --whole-tables`); one
+# times as long a training step at 4x128 and 8x128 on a 2-core EPYC (docs/performance.md, c9ac370); one
 # layer's attention with one sequence per group timed slower banded at 1x256, and alike at 2x512 (400 of 511 columns).
 BAND_LINES = 32
 BAND_MOST = 0.7
@@ -345,7 +345,7 @@ class BlockedAttention(torch.autograd.Function):
         # in the query's dtype: under autocast the relative rows may be float32
         kr, qr = (rows.to(query.dtype) if rows is not None else None for rows in (pos_key, pos_query))
         column, tiled = _kernel_column(positions, kernel)
-        bands = _band_width(positions) if column is not None and switch_value("BANDED_TABLES") else None
+        bands = _band_width(positions) if column is not None else None
         if bands is not None:  # [H, W, D] laid out so, so that a band of its rows is a batch of matrices for bmm
             kr, qr = (rows.contiguous() if rows is not None else None for rows in (kr, qr))
         group, p2c_keys, p2c_first, c2p_first = None, None, None, None

@@ -485,9 +485,6 @@ def test_cpu_inference_variants_run_and_restore_the_module_constants(capsys):
         "CPU_KERNEL",
         "KERNEL_SPLIT_LENGTH",
         "CPU_FUSED",
-        "FUSED_FLOAT32",
-        "IN_PLACE_GELU",
-        "FFN_WORKSPACE",
         "_attend_by_distance",
     )
     before = {name: getattr(cpu_inference.HOMES[name], name) for name in names}
@@ -644,24 +641,6 @@ def test_attention_sinks_against_hand_computed():
         # second layer, every row shifted one key to the right: [CLS] gets what the last key had, [SEP] the one before
         assert found["cls"][1] == pytest.approx((0.1 + 0.2 + 0.0) / 3)
         assert found["sep"][1] == pytest.approx((0.2 + 0.2 + 0.2) / 3)
-
-
-def test_train_step_times_whole_position_tables_beside_banded_ones(monkeypatch, capsys):
-    """--whole-tables adds the sdpa model with CPU training's kernel reading whole position tables: those steps call
-    it without a band, the model's own with one (4x128 at v3's buckets), and the switch is on afterwards."""
-    from benchmarks import train_step
-    from disentangled.modeling import dispatch, native
-
-    if not native.available():
-        pytest.skip(f"the kernel does not run here: {native.why_unavailable()}")
-    banded = []  # for each call of the kernel: whether it read banded tables
-    function = native.hankel_bias
-    monkeypatch.setattr(native, "hankel_bias", lambda *args: banded.append(args[5] is not None) or function(*args))
-    train_step.main(["--cases", "4x128", "--layers", "1", "--repeats", "1", "--no-eager", "--whole-tables"])
-    printed = capsys.readouterr().out
-    rows = [line.split(" | ")[0] for line in printed.splitlines() if line.startswith("| ") and " ms |" in line]
-    assert rows == ["| ours-sdpa", "| transformers-deberta", "| bert-sdpa", f"| {train_step.WHOLE_TABLES}"]
-    assert True in banded and False in banded and dispatch.BANDED_TABLES
 
 
 def test_train_step_times_pytorchs_dropout_draws_beside_the_kernels(monkeypatch, capsys):

@@ -295,7 +295,7 @@ def test_model_in_float32_matches_eager(monkeypatch, variant, layout):
 
         actual = ours()
         assert calls
-        with dispatch.switched(FUSED_FLOAT32=False):
+        with dispatch.switched(CPU_FUSED=False):
             unfused = ours()
     tolerance = 1e-5 * max(1.0, expected.abs().max().item())
     assert max_abs_diff(actual, expected[real]) <= tolerance
@@ -309,7 +309,7 @@ CASES = ["float16", "float32-turned-off", "head-size-32", "mask-of-pairs", "no-a
 
 @pytest.mark.parametrize("case", CASES)
 def test_where_the_fused_kernel_does_not_run_the_others_do(monkeypatch, switch, case):
-    """float16, float32 with FUSED_FLOAT32 off, heads of another size, a [B, L, L] mask of query-key
+    """float16, float32 with CPU_FUSED off, heads of another size, a [B, L, L] mask of query-key
     pairs, bfloat16 on a processor without AMX, a workspace beyond FUSED_WORKSPACE_BYTES and the p2p term take the
     other paths; the output still matches eager."""
     overrides = {"head-size-32": dict(hidden_size=64), "p2p": dict(pos_att_type="c2p|p2c|p2p")}.get(case, {})
@@ -318,7 +318,7 @@ def test_where_the_fused_kernel_does_not_run_the_others_do(monkeypatch, switch, 
     eager, sdpa = copy.deepcopy(reference).to(dtype), copy.deepcopy(reference).to(dtype)
     sdpa.set_attn_implementation("sdpa")
     if case == "float32-turned-off":
-        switch(FUSED_FLOAT32=False)
+        switch(CPU_FUSED=False)
     if case == "no-amx":
         monkeypatch.setattr(dispatch, "native_attend", lambda dtype: dtype != torch.bfloat16)
     if case == "workspace":

@@ -182,39 +182,34 @@ def test_weight_init_is_deberta_like():
 def test_feed_forward_product_goes_into_the_kept_workspace_only_where_nothing_can_hold_it():
     """In CPU inference every layer writes the feed-forward's [tokens, intermediate] product into one buffer of the
     encoder's workspace, kept between calls: the same output as a fresh product, bit for bit. Where a hook could
-    keep the product (on the output layer's input here), with gradients, or with the switch off, each layer makes
-    its own."""
-    from disentangled.modeling import dispatch, workspace
+    keep the product (on the output layer's input here) or with gradients, each layer makes its own."""
+    from disentangled.modeling import workspace
 
     config = DisentangledConfig(**TINY)
     torch.manual_seed(0)
     model = disentangled.DisentangledModel(config).eval()
     batch = padded_batch(config.vocab_size, [9, 6, 9])
     kept = workspace.kept_workspace(model.encoder)
-    with torch.no_grad(), dispatch.switched(FFN_WORKSPACE=False):
-        expected = model(**batch).last_hidden_state
-    assert "intermediate" not in kept
-    with torch.no_grad():
-        served = model(**batch).last_hidden_state
-        buffer = kept["intermediate"]
-        assert buffer.numel() == 3 * 9 * config.intermediate_size
-        again = model(**batch).last_hidden_state
-    assert kept["intermediate"] is buffer  # reused by the next call, as by every layer
-    torch.testing.assert_close(served, expected, rtol=0, atol=0)
-    torch.testing.assert_close(again, expected, rtol=0, atol=0)
-
     held = []  # what the output layers were given: each layer's own product, kept past the layer
     handles = [
         layer.output.dense.register_forward_pre_hook(lambda module, inputs: held.append(inputs[0]))
         for layer in model.encoder.layer
     ]
     with torch.no_grad():
-        hooked = model(**batch).last_hidden_state
+        expected = model(**batch).last_hidden_state  # fresh products
     for handle in handles:
         handle.remove()
-    torch.testing.assert_close(hooked, expected, rtol=0, atol=0)
-    assert len(held) == 2 and all(tensor.data_ptr() != buffer.data_ptr() for tensor in held)
-    assert held[0].data_ptr() != held[1].data_ptr()
+    assert "intermediate" not in kept
+    assert len(held) == 2 and held[0].data_ptr() != held[1].data_ptr()
+    with torch.no_grad():
+        served = model(**batch).last_hidden_state
+        buffer = kept["intermediate"]
+        assert buffer.numel() == 3 * 9 * config.intermediate_size
+        again = model(**batch).last_hidden_state
+    assert kept["intermediate"] is buffer  # reused by the next call, as by every layer
+    assert all(tensor.data_ptr() != buffer.data_ptr() for tensor in held)
+    torch.testing.assert_close(served, expected, rtol=0, atol=0)
+    torch.testing.assert_close(again, expected, rtol=0, atol=0)
 
     workspace.release_workspace(model)
     kept = workspace.kept_workspace(model.encoder)
@@ -249,8 +244,6 @@ def test_intermediate_gelu_runs_in_place_only_where_no_graph_needs_its_input(hid
         served = layer(hidden)
     torch.testing.assert_close(served, expected, rtol=0, atol=0)
     assert served._version == (1 if hidden_act == "gelu" else 0)  # written once, in place, after the product
-    with torch.no_grad(), disentangled.modeling.dispatch.switched(IN_PLACE_GELU=False):
-        assert layer(hidden)._version == 0
     seen = []  # a hook on the product keeps it as the dense layer made it
     handle = layer.dense.register_forward_hook(lambda module, inputs, output: seen.append(output))
     with torch.no_grad():
