@@ -410,6 +410,8 @@ def _build(flags: tuple[str, ...] | None = None, name: str | None = None) -> cty
         flags = flags or flags_for(name)
         library, why = compiled(SOURCE, flags, name)
         origin = "built here"
+        if library is None and _compiler() is None:
+            why += f", and {KERNELS} names no folder of prebuilt libraries (disentangled build-kernels DIR)"
     if library is None:
         _state["why"] = why
         return None
