@@ -1,4 +1,4 @@
-"""`disentangled env` (`src/disentangled/environment.py`): what it reports is what the dispatcher does. The path it
+"""`disentangled env` (`src/disentangled/environment/`): what it reports is what the dispatcher does. The path it
 names for a kind of call is the path such a call takes; change a fact or a switch and both change. The same facts go
 into every benchmark record. (Its GPU rows against a kernel call: tests/test_triton_attention.py.)"""
 

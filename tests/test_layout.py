@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-JOBS = ("pretraining", "explain", "serving", "integrations", "demo")  # src/disentangled's subpackages
+JOBS = ("pretraining", "explain", "serving", "integrations", "demo", "environment")  # src/disentangled's subpackages
 PACKAGES = {  # package name -> folder, as pyproject's package-dir maps them
     "disentangled": REPO / "src" / "disentangled",
     **{f"disentangled.{room}": REPO / "src" / "disentangled" / room for room in JOBS},
@@ -98,7 +98,7 @@ def test_the_package_root_holds_the_public_surface_and_one_folder_per_job():
     """src/disentangled/ reads as the list of jobs: the public surface at the top, each job a subpackage that JOBS
     names and pyproject installs (a folder missing there is missing from the wheel)."""
     root = PACKAGES["disentangled"]
-    surface = {"__init__", "__main__", "cli", "registration", "qa", "environment"}  # environment: `disentangled env`
+    surface = {"__init__", "__main__", "cli", "registration", "qa"}
     assert {path.stem for path in root.glob("*.py")} == surface
     folders = {path.parent.name for path in root.glob("*/__init__.py")}
     assert folders == set(JOBS)

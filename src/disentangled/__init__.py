@@ -12,7 +12,8 @@ The package, one folder per job (docs/internals/architecture.md draws how they c
 - `explain/`: each attention term, its statistics and figures, `disentangled explain`;
 - `serving/`: int8 in PyTorch and ONNX export (`disentangled export-onnx`);
 - `integrations/`: our attention in transformers' own DeBERTa models, tokenizers for transformers 4.57 and 5;
-- `demo/`: `disentangled demo` and its built-in data.
+- `demo/`: `disentangled demo` and its built-in data;
+- `environment/`: `disentangled env`, the machine's facts for a bug report and every benchmark record.
 
 At the top, only the public surface: this file, `cli.py` (the `disentangled` command), `registration.py` (the Auto
 classes) and `qa.py` (`disentangled.qa.answer_question`, extractive QA where transformers 5 has no pipeline).

@@ -38,7 +38,7 @@ COMMANDS = {
         "write the CPU kernels' libraries (PyTorch's and ONNX Runtime's) into a folder, for machines without a compiler",
     ),
     "env": (
-        "disentangled.environment",
+        "disentangled.environment.report",
         "print the versions, processor, GPUs and attention paths of this machine (paste it into a bug report)",
     ),
 }
