@@ -181,7 +181,8 @@ def library_path() -> Path:
 def register(options, graph: str | Path | None = None) -> None:
     """Load the operator library into onnxruntime `SessionOptions`: the one `export-onnx --kernel` wrote beside
     `graph` where there is one (what a serving machine loads), else this package's build."""
-    shipped = Path(graph).parent / library_name() if graph is not None else None
+    # an absolute path: dlopen reads a bare file name ("classifier.onnx"'s neighbour) as a name to search the system for
+    shipped = Path(graph).absolute().parent / library_name() if graph is not None else None
     options.register_custom_ops_library(str(shipped if shipped and shipped.is_file() else library_path()))
 
 
