@@ -175,3 +175,20 @@ def test_a_folder_without_this_set_s_library_is_an_error_that_says_how_to_build_
     monkeypatch.setenv(native.KERNELS, str(tmp_path))
     with pytest.raises(ValueError, match=f"no library of the {CHOSEN} kernels .*disentangled build-kernels {tmp_path}"):
         native.available()
+
+
+def test_onnx_runtime_s_operator_library_comes_from_the_folder_too(fresh, monkeypatch, tmp_path):
+    """`ort_operator.library_path()` takes the operator library of the DISENTANGLED_KERNELS folder, or of the wheel's
+    prebuilt folder where no compiler is found (the library is `export-onnx --kernel`'s, tested there)."""
+    pytest.importorskip("onnxruntime")
+    from disentangled.serving import ort_operator
+
+    for environment, prebuilt_folder in ((True, tmp_path / "absent"), (False, tmp_path)):
+        monkeypatch.setattr(ort_operator, "_state", {})
+        monkeypatch.setattr(native, "PREBUILT", prebuilt_folder)
+        if environment:
+            monkeypatch.setenv(native.KERNELS, str(tmp_path))
+        else:
+            monkeypatch.delenv(native.KERNELS)
+        (tmp_path / ort_operator.library_name()).write_bytes(b"")
+        assert ort_operator.library_path() == tmp_path / ort_operator.library_name()

@@ -18,7 +18,9 @@ One library serves every processor of its machine kind: `ort_attention.c` is com
 a lower set, to test or time it); a processor with none of them gets an error, not an illegal instruction. No
 OpenMP: the library needs the C library alone. The system's C compiler builds it (CC, else cc, gcc or clang; for
 aarch64 on another machine, aarch64-linux-gnu-gcc) into DISENTANGLED_CACHE, keyed by the sources, the compiler and
-the flags. ONNX Runtime 1.17 or later (its KernelContext_ParallelFor); float32, 64 dimensions per head, CPU only.
+the flags; the library a `disentangled build-kernels` folder holds is taken instead where DISENTANGLED_KERNELS names
+that folder, or where no compiler is found and a wheel carries it (native.PREBUILT). ONNX Runtime 1.17 or later
+(its KernelContext_ParallelFor); float32, 64 dimensions per head, CPU only.
 
 Each graph's nodes carry the operator version they were written for (`OPERATOR_VERSION`, the `version` attribute),
 and a library of another version refuses the graph when the session is made.
@@ -151,6 +153,9 @@ def _build() -> tuple[Path | None, str]:
     name, reason = native.instruction_set()
     if name == "none":
         return None, f"no vector set for the kernel: {reason}"
+    folder = os.environ.get(native.KERNELS) or (native.PREBUILT if native._compiler() is None else None)
+    if folder and (Path(folder) / library_name()).is_file():  # `disentangled build-kernels`' library, or the wheel's
+        return Path(folder) / library_name(), ""
     return build()
 
 
