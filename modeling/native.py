@@ -57,7 +57,7 @@ from torch import Tensor
 from .workspace import int32_column, per_forward
 
 SOURCE = Path(__file__).with_name("position_bias.c")
-HEADERS = [SOURCE.with_name(f"position_bias_{name}.h") for name in ("avx512", "avx2", "neon")]
+HEADERS = [SOURCE.with_name(f"position_bias{part}.h") for part in ("", "_avx512", "_avx2", "_neon", "_amx")]
 
 
 class _BiasArgs(ctypes.Structure):

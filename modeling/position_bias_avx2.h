@@ -141,27 +141,24 @@ static inline mask16 m_zero_bytes(const uint8_t *flags) {
     return (mask16)_mm_movemask_epi8(zero);
 }
 
-/* position_bias_avx512.h's v_exp, 8 lanes: 2^n from n's bits in the exponent field (n >= -126 there, a normal
-   number), 0 below -87, NaN for NaN. */
-static inline __m256 exp8(__m256 x) {
-    const __m256 normal = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NLT_UQ);
-    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(exponent)), normal);
+static inline f32x16 v_round(f32x16 v) {
+    return pair(_mm256_round_ps(v.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                _mm256_round_ps(v.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-static inline f32x16 v_exp(f32x16 x) { return pair(exp8(x.lo), exp8(x.hi)); }
+/* 2^n from n's bits in the exponent field (a normal number for n >= -126). */
+static inline __m256 times_pow2(__m256 v, __m256 n) {
+    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(v, _mm256_castsi256_ps(exponent));
+}
+
+static inline f32x16 v_times_pow2(f32x16 v, f32x16 n) { return pair(times_pow2(v.lo, n.lo), times_pow2(v.hi, n.hi)); }
+
+static inline f32x16 v_zero_below(f32x16 v, f32x16 x, float limit) {
+    const __m256 bound = _mm256_set1_ps(limit);
+    return pair(_mm256_andnot_ps(_mm256_cmp_ps(x.lo, bound, _CMP_LT_OQ), v.lo),
+                _mm256_andnot_ps(_mm256_cmp_ps(x.hi, bound, _CMP_LT_OQ), v.hi));
+}
 
 /* In place: row r of the 8 x 8 block becomes its column r. */
 static inline void transpose8(__m256 r[8]) {

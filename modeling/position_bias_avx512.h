@@ -12,7 +12,11 @@
      v_select(m, fill, v)      fill where m has the lane, else v
      v_permute(v, columns, lowest)   lane t = v[columns[t] - lowest] (0 <= columns[t] - lowest < 16)
      m_zero_bytes(flags)       the lanes whose byte of flags[0 .. 15] is 0
-     v_reduce_add, v_reduce_max, v_exp (e^x for x <= 0, see below), v_transpose16
+     v_reduce_add, v_reduce_max, v_transpose16 (in place: row r of 16 becomes column r)
+     v_round(v)                to the nearest integer, ties to even
+     v_times_pow2(v, n)        v 2^n, for integral n in [-126, 127] where the product is a normal number (exact)
+     v_zero_below(v, x, limit) v, with 0 in the lanes where x < limit (NaN is not below: it keeps v)
+     v_max(a, b)               NaN where b is NaN (x86 returns the second operand where either is NaN)
      PRODUCT_ROWS              rows of a register-blocked product: 16 x 16 sums live in registers at once here
 */
 
@@ -82,25 +86,12 @@ static inline mask16 m_zero_bytes(const uint8_t *flags) {
     return _mm_cmpeq_epi8_mask(_mm_loadu_si128((const __m128i *)flags), _mm_setzero_si128());
 }
 
-/* e^x in float32 for x <= 0: 2^n e^r with n = round(x / ln 2), r = x - n ln 2 in two parts, e^r by its Taylor
-   polynomial to r^6 (|r| <= ln 2 / 2: relative error under 2e-7). Below -87 (-inf included) it is exactly 0: the
-   result would be subnormal there, and arithmetic on subnormals takes the processor's slow path. NaN stays NaN (the
-   compare is unordered, and max returns its second operand where one is NaN), so that a NaN score reaches the sum. */
-static inline f32x16 v_exp(f32x16 x) {
-    const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ);
-    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(normal, p, n);
+static inline f32x16 v_round(f32x16 v) {
+    return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static inline f32x16 v_times_pow2(f32x16 v, f32x16 n) { return _mm512_scalef_ps(v, n); }
+static inline f32x16 v_zero_below(f32x16 v, f32x16 x, float limit) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(limit), _CMP_NLT_UQ), v);
 }
 
 /* In place: row r of the 16 x 16 block becomes its column r. */

@@ -160,29 +160,23 @@ static inline mask16 m_zero_bytes(const uint8_t *flags) {
     return (mask16)(vaddv_u8(vget_low_u8(bits)) | (vaddv_u8(vget_high_u8(bits)) << 8));
 }
 
-/* position_bias_avx512.h's v_exp, 4 lanes: 2^n from n's bits in the exponent field, 0 below -87, NaN for NaN (the
-   mask is "not below -87", and vmaxq_f32 returns NaN where either is). */
-static inline float32x4_t exp4(float32x4_t x) {
-    const uint32x4_t normal = vmvnq_u32(vcltq_f32(x, vdupq_n_f32(-87.0f)));
-    x = vmaxq_f32(x, vdupq_n_f32(-87.0f));
-    const float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504088896341f)));
-    float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(0.693145751953125f));
-    r = vfmsq_f32(r, n, vdupq_n_f32(1.42860682030941723212e-6f));
-    float32x4_t p = vdupq_n_f32(1.0f / 720);
-    p = vfmaq_f32(vdupq_n_f32(1.0f / 120), p, r);
-    p = vfmaq_f32(vdupq_n_f32(1.0f / 24), p, r);
-    p = vfmaq_f32(vdupq_n_f32(1.0f / 6), p, r);
-    p = vfmaq_f32(vdupq_n_f32(0.5f), p, r);
-    p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
-    p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
-    const int32x4_t exponent = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
-    const float32x4_t scaled = vmulq_f32(p, vreinterpretq_f32_s32(exponent));
-    return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(scaled), normal));
+static inline f32x16 v_round(f32x16 v) {
+    for (int i = 0; i < 4; i++) v.q[i] = vrndnq_f32(v.q[i]);
+    return v;
 }
 
-static inline f32x16 v_exp(f32x16 x) {
-    for (int i = 0; i < 4; i++) x.q[i] = exp4(x.q[i]);
-    return x;
+static inline f32x16 v_times_pow2(f32x16 v, f32x16 n) {
+    for (int i = 0; i < 4; i++) { /* 2^n from n's bits in the exponent field */
+        const int32x4_t exponent = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n.q[i]), vdupq_n_s32(127)), 23);
+        v.q[i] = vmulq_f32(v.q[i], vreinterpretq_f32_s32(exponent));
+    }
+    return v;
+}
+
+static inline f32x16 v_zero_below(f32x16 v, f32x16 x, float limit) {
+    for (int i = 0; i < 4; i++) /* vcltq_f32 is false for NaN */
+        v.q[i] = vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(v.q[i]), vcltq_f32(x.q[i], vdupq_n_f32(limit))));
+    return v;
 }
 
 /* In place: row r of the 16 x 16 block becomes its column r, as sixteen 4 x 4 blocks: block (I, J) of the rows

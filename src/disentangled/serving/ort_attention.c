@@ -1,4 +1,4 @@
-/* Disentangled attention as an ONNX Runtime custom operator: disentangled::Attention runs position_bias.c's attend()
+/* Disentangled attention as an ONNX Runtime custom operator: disentangled::Attention runs position_bias.h's attend()
    (float32, the position terms made inside the tile, the bias never written) on ONNX Runtime's own threads.
 
        out_i = sum_j softmax_j(scale q_i . k_j + q_i . Kr[c(i - j)] + k_j . Qr[c(i - j)]) v_j   over the kept keys
@@ -15,7 +15,7 @@
    PyTorch's attention.
 
    The graph is not trusted: before any kernel work, every shape is checked, and every value the kernel indexes with
-   against position_bias.c's contract (the columns inside [0, W), ascending by at most one column per distance,
+   against position_bias.h's contract (the columns inside [0, W), ascending by at most one column per distance,
    c2p_column column's mirror). A violation is an INVALID_ARGUMENT error naming the input, the entry and
    the rule (SECURITY.md says how this is tested).
 
@@ -24,11 +24,11 @@
    so that a graph never runs on a library that would compute something else. OPERATOR_VERSION changes with any
    change of the inputs, attributes or what they mean (ort_operator.OPERATOR_VERSION says the same).
 
-   Built by ort_operator.py once per instruction set, each with this file and position_bias.c in one unit, with
-   -DORT_UNIT=register_<set>: the unit's RegisterCustomOps takes that name and position_bias.c's entries are local to
-   the unit, so that the units of several sets share one library whose ort_dispatch.c chooses among them. No OpenMP:
-   the operator runs on ONNX Runtime's threads (position_bias.c's pragmas are then ignored). Built alone (no
-   ORT_UNIT), this file defines RegisterCustomOps for the set its flags name.
+   Built by ort_operator.py once per instruction set, this file and the kernels it includes (modeling/position_bias.h,
+   found by -I) one unit, with -DORT_UNIT=register_<set>: the unit's RegisterCustomOps takes that name and the
+   kernels' entries are local to the unit, so that the units of several sets share one library whose ort_dispatch.c
+   chooses among them. No OpenMP: the operator runs on ONNX Runtime's threads (the kernels' pragmas are then
+   ignored). Built alone (no ORT_UNIT), this file defines RegisterCustomOps for the set its flags name.
    ONNX Runtime's C API is reached through the OrtApiBase it hands RegisterCustomOps: a table of function pointers
    whose order ONNX Runtime never changes (new functions are appended), so the few used here are called by their
    place in the table (API_*, checked against onnxruntime_c_api.h of API version 29; each exists from version 17 on,
@@ -39,13 +39,13 @@
 #define _GNU_SOURCE /* sched_getaffinity */
 #endif
 #ifdef ORT_UNIT
-#define ENTRY static __attribute__((unused)) /* position_bias.c's entries: this unit's own */
+#define ENTRY static __attribute__((unused)) /* position_bias.h's entries: this unit's own */
 /* built without OpenMP: its pragmas are ignored, and the thread counts only they read are unused */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wunknown-pragmas"
 #pragma GCC diagnostic ignored "-Wunused-parameter"
 #endif
-#include "position_bias.c"
+#include "position_bias.h"
 #ifdef ORT_UNIT
 #pragma GCC diagnostic pop
 #endif
@@ -259,7 +259,7 @@ static int64_t usable_cpus(void) {
     return 1;
 }
 
-/* position_bias.c's contract (rule 1) for the graph's two column vectors, before any kernel work: they come from
+/* position_bias.h's contract (rule 1) for the graph's two column vectors, before any kernel work: they come from
    the ONNX file, which this operator trusts no more than any other input. An error names the input, the entry, its
    value and the rule it breaks. */
 static OrtStatus *columns_refused_here(const int32_t *column, const int32_t *c2p_column, int64_t count, int64_t width) {
@@ -367,7 +367,7 @@ static OrtStatus *compute(void *state, OrtKernelContext *context) {
     if (atomic_load(&call.failed) == 1)
         return fail(ERROR_FAIL, "disentangled::Attention: the kernel was built without a vector set");
     if (atomic_load(&call.failed) == 3)
-        return fail(ERROR_INVALID_ARGUMENT, "disentangled::Attention: the kernel refused its arguments (position_bias.c's "
+        return fail(ERROR_INVALID_ARGUMENT, "disentangled::Attention: the kernel refused its arguments (position_bias.h's "
                                             "contract)");
 
     /* a sequence with no key kept: every row the mean of the values, as eager attention under the dtype's minimum */
