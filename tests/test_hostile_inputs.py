@@ -1,7 +1,7 @@
 """The C code trusts no input (SECURITY.md, "Native code"): every value a kernel indexes with is checked before it is
-used, by the ONNX operator for a graph's inputs and by position_bias.c's entries for any caller.
+used, by the ONNX operator for a graph's inputs and by the kernels' entries (position_bias.h, position_bias.c) for any caller.
 
-The contract (position_bias.c, above position_bias) is written again here, in Python, as `columns_hold`: each column
+The contract (position_bias.h, above column_fault) is written again here, in Python, as `columns_hold`: each column
 in [0, W), ascending by at most one column per entry where tiles run (so 16 consecutive entries lie within 16
 columns), c2p_column column's mirror. Then, for the operator
 through ONNX Runtime and for each ctypes entry: the hostile cases a reviewer found (out-of-range, negative, extreme,
@@ -41,7 +41,7 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
 def columns_hold(column: np.ndarray, c2p_column: np.ndarray | None, width: int, tiled: bool = True) -> bool:
-    """The kernels' contract on column vectors, from its words in position_bias.c."""
+    """The kernels' contract on column vectors, from its words in position_bias.h."""
     for vector in (column, c2p_column):
         if vector is None:
             continue
