@@ -1,5 +1,5 @@
 """The C code trusts no input (SECURITY.md, "Native code"): every value a kernel indexes with is checked before it is
-used, by the ONNX operator for a graph's inputs and by the kernels' entries (position_bias.h, position_bias.c) for any caller.
+used, by the ONNX operator for a graph's inputs and by the kernels' entries (position_bias.h and .c) for any caller.
 
 The contract (position_bias.h, above column_fault) is written again here, in Python, as `columns_hold`: each column
 in [0, W), ascending by at most one column per entry where tiles run (so 16 consecutive entries lie within 16
