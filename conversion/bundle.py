@@ -28,6 +28,7 @@ MODELING_FILES = (
     "sdpa_attention.py",
     "flex_attention.py",
     "cpu_inference.py",
+    "onnx_fused.py",
     "dispatch.py",
     "triton_attention.py",
     "triton_tiles.py",

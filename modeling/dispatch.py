@@ -52,9 +52,11 @@ In `modeling/`'s layering (`__init__.py`): beside layer 2, the decision every ba
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +132,9 @@ PATHS = {  # path: what runs it
     "cpu-training-kernel": "CPU training's blocked attention, bias and gradient by the compiled kernel",
     "cpu-training": "CPU training's blocked attention (sdpa_attention.BlockedAttention) in PyTorch",
     "sdpa-blocked": "scaled_dot_product_attention one block of query rows at a time, keys reversed",
+    "onnx-fused": "an ONNX export: ONNX Runtime's MultiHeadAttention with the position terms as its bias (onnx_fused.py)",
+    "onnx-kernel": "an ONNX export: our disentangled::Attention operator (disentangled.serving.onnx_attention)",
+    "onnx-portable": "an ONNX export in standard operators: one dense bias and plain attention, as sdpa-dense",
 }
 
 # Reasons two places give
@@ -156,6 +161,8 @@ class Call:
     implementation: str = "sdpa"  # asked for (`config._attn_implementation`)
     output_attentions: bool = False
     tracing: bool = False  # torch.compile, export or jit is tracing
+    onnx: str | None = None  # in an ONNX export: the graph asked for (`onnx_graph`: "fused", "kernel" or "portable")
+    torchscript: bool = False  # torch.jit traces (the ONNX export of torch's TorchScript exporter)
     gpu: str | None = None  # CUDA: the GPU's name and compute capability
     capability: tuple[int, int] | None = None
 
@@ -255,6 +262,54 @@ def without_the_package() -> str | None:
     )
 
 
+# ---- The ONNX graph an export writes: a fact of each call made while it runs ----
+
+ONNX_GRAPHS = ("fused", "kernel", "portable")
+# The fused graph needs torch.onnx.ops.symbolic (torch 2.8 on)
+ONNX_OPS = hasattr(getattr(torch.onnx, "ops", None), "symbolic")
+
+
+@dataclass(frozen=True)
+class OnnxGraph:
+    """The attention graph an ONNX export writes (`onnx_graph`): its kind, and for the kernel graph the function that
+    writes a layer's node, (query, key, value, attention_mask, scaling, position_scores) -> context [B, L, H, D]."""
+
+    kind: str
+    write: Callable | None = None
+
+
+_ONNX_GRAPH = contextvars.ContextVar("disentangled ONNX graph", default=None)  # None: DEFAULT_ONNX_GRAPH
+# Outside an `onnx_graph` block: the fused graph in the package; the portable one in the Hub bundle, as a model loaded
+# as remote code wrote before (its user may export for any ONNX runtime, not only ONNX Runtime)
+DEFAULT_ONNX_GRAPH = OnnxGraph("fused" if native is not None else "portable")
+
+
+@contextlib.contextmanager
+def onnx_graph(kind: str, write: Callable | None = None):
+    """ONNX exports within the block write `kind` attention: "fused" (ONNX Runtime's MultiHeadAttention with the
+    position terms as its bias, the default: `onnx_fused.py`), "kernel" (our `disentangled::Attention` operator,
+    written by `write`) or "portable" (standard operators only).
+
+    The kind is a fact of every call made in the block (`Call.onnx`), so `decide` answers the path the export writes
+    and `disentangled env` and the debug line report it. The kernel graph's writer comes with the context, not from a
+    hook: it is the package's (`disentangled.serving.onnx_attention.graph("kernel")` passes it), as it needs the
+    operator's library, which modeling/ neither imports nor carries into the Hub bundle."""
+    if kind not in ONNX_GRAPHS:
+        raise ValueError(f"ONNX attention graph {kind!r} is not one of {list(ONNX_GRAPHS)}")
+    if kind == "kernel" and write is None:
+        raise ValueError("the kernel graph needs its writer: use disentangled.serving.onnx_attention.graph('kernel')")
+    token = _ONNX_GRAPH.set(OnnxGraph(kind, write))
+    try:
+        yield
+    finally:
+        _ONNX_GRAPH.reset(token)
+
+
+def onnx_graph_asked() -> OnnxGraph:
+    """The graph ONNX exports write here and now (`onnx_graph`; DEFAULT_ONNX_GRAPH outside any block)."""
+    return _ONNX_GRAPH.get() or DEFAULT_ONNX_GRAPH
+
+
 # ---- The facts of a call ----
 
 
@@ -314,6 +369,8 @@ def call_facts(
         implementation=implementation,
         output_attentions=output_attentions,
         tracing=tracing,
+        onnx=onnx_graph_asked().kind if torch.onnx.is_in_onnx_export() else None,
+        torchscript=torch.jit.is_tracing(),
         gpu=gpu,
         capability=capability,
     )
@@ -361,6 +418,8 @@ def _flex_refusal(call: Call) -> str | None:
 def _sdpa_path(call: Call, skipped: list) -> Decision:
     if not call.terms:
         return Decision("sdpa", "sdpa-dense", "no position terms: torch's own fused kernels", tuple(skipped))
+    if call.onnx is not None:
+        return _onnx_path(call, skipped)
     if call.tracing:
         return Decision("sdpa", "sdpa-dense", "a graph is traced (compile, export): one dense bias", tuple(skipped))
     if call.device != "cpu":
@@ -392,6 +451,42 @@ def _sdpa_path(call: Call, skipped: list) -> Decision:
     if bias != fused:
         skipped.append(("cpu-bias-kernel", bias))
     return Decision("sdpa", "cpu-by-distance", "CPU inference in PyTorch", tuple(skipped))
+
+
+def _onnx_path(call: Call, skipped: list) -> Decision:
+    """An ONNX export's attention: the graph asked for (`onnx_graph`), or the next that can serve the call."""
+    asked, why = call.onnx, _onnx_refusal(call)
+    if asked == "kernel":
+        kernel_why = why or _onnx_kernel_refusal(call)
+        if kernel_why is None:
+            return Decision("sdpa", "onnx-kernel", "an ONNX export, the kernel graph asked for", tuple(skipped))
+        skipped.append(("onnx-kernel", kernel_why))
+    if asked != "portable":
+        if why is None:
+            return Decision("sdpa", "onnx-fused", "an ONNX export", tuple(skipped))
+        if asked == "fused":
+            skipped.append(("onnx-fused", why))
+    reason = "the portable graph asked for" if asked == "portable" else "standard operators"
+    return Decision("sdpa", "onnx-portable", f"an ONNX export, {reason}", tuple(skipped))
+
+
+def _onnx_refusal(call: Call) -> str | None:
+    """Why an ONNX export cannot write the fused (or the kernel) graph for this call."""
+    if "p2p" in call.terms:
+        return "ONNX Runtime's attention takes no p2p term"
+    if call.torchscript:
+        return "torch's TorchScript exporter (dynamo=False) writes standard operators only"
+    if not ONNX_OPS:
+        return "the fused graph needs torch.onnx.ops (torch 2.8 or later)"
+    return None
+
+
+def _onnx_kernel_refusal(call: Call) -> str | None:
+    if call.head_size != 64:
+        return f"our operator takes 64 dimensions per head, not {call.head_size}"
+    if call.mask not in ("none", "keys"):
+        return "our operator takes no mask or a key mask, not a mask of query-key pairs"
+    return None
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -54,6 +54,7 @@ from .disentangled_attention import (
 )
 from .dispatch import Decision, call_facts, decide, native, switch_value, without_the_package
 from .flex_attention import flex_disentangled
+from .onnx_fused import fused_attention  # noqa: F401  (an ONNX export's fused graph; see cpu_inference above)
 from .sdpa_attention import dropout_keep_mask, sdpa_disentangled
 from .triton_attention import TRITON_AVAILABLE  # noqa: F401  (sdpa's CUDA kernel; see cpu_inference above)
 from .triton_tiles import TILES as _TILES  # noqa: F401  (the Triton kernel's tiles per GPU; see cpu_inference above)

@@ -44,8 +44,10 @@ from .dispatch import (
     log_fallback,
     native,
     native_built,
+    onnx_graph_asked,
     switch_value,
 )
+from .onnx_fused import fused_attention
 from .triton_attention import KernelLaunchError, launch_failed, triton_disentangled
 from .validation import is_tracing
 from .workspace import _scratch, int32_column, per_forward
@@ -65,16 +67,6 @@ SDPA_BLOCK_ELEMENTS_ACCELERATOR = 1 << 26
 BAND_LINES = 32
 BAND_MOST = 0.7
 BAND_SEQUENCES = 4
-# While a model is exported to ONNX: the package's graph for ONNX Runtime (`disentangled.serving.onnx_attention`,
-# set when the package is imported; the Hub bundle alone writes the portable graph below)
-_onnx_attention = None
-
-
-def set_onnx_attention(function) -> None:
-    """`function(query, key, value, attention_mask, scaling, position_scores)` -> context [B, L, H, D] or None, asked
-    first while a model is exported to ONNX."""
-    global _onnx_attention
-    _onnx_attention = function
 
 
 def sdpa_disentangled(
@@ -98,10 +90,6 @@ def sdpa_disentangled(
     order so that the block's index is a view (see `_block_bias`). Attention is invariant to the order of the keys,
     so the result is unchanged.
     """
-    if _onnx_attention is not None and position_scores is not None and torch.onnx.is_in_onnx_export():
-        context = _onnx_attention(query, key, value, attention_mask, scaling, position_scores)
-        if context is not None:  # the package's ONNX Runtime graph; None: the portable one below
-            return context, None
     if decision is None:
         decision = decide(call_facts(query, key, value, attention_mask, position_scores, dropout))
     log_fallback(decision)
@@ -125,6 +113,21 @@ def _run_dense(decision, module, query, key, value, attention_mask, scaling, dro
     if is_tracing():  # torch.export's decomposition of sdpa yields other strides than it traced
         context = context.clone(memory_format=torch.contiguous_format)
     return context, None
+
+
+def _run_onnx_fused(
+    decision, module, query, key, value, attention_mask, scaling, dropout, position_scores, block_elements
+):
+    """An ONNX export's fused graph (`onnx_fused.py`)."""
+    return fused_attention(query, key, value, attention_mask, scaling, position_scores), None
+
+
+def _run_onnx_kernel(
+    decision, module, query, key, value, attention_mask, scaling, dropout, position_scores, block_elements
+):
+    """An ONNX export's kernel graph: the writer that came with it (`dispatch.onnx_graph`, the package's)."""
+    write = onnx_graph_asked().write
+    return write(query, key, value, attention_mask, scaling, position_scores), None
 
 
 def _run_by_distance(
@@ -185,6 +188,9 @@ RUNNERS = {  # the paths of `dispatch.PATHS` that this backend runs
     "cpu-training": _run_cpu_training,
     "sdpa-blocked": _run_blocked,
     "triton": _run_triton,
+    "onnx-fused": _run_onnx_fused,
+    "onnx-kernel": _run_onnx_kernel,
+    "onnx-portable": _run_dense,
 }
 
 

@@ -269,3 +269,55 @@ def test_one_decision_per_layer_call(monkeypatch, implementation):
     assert len(asked) == 6
     assert set(sdpa_attention.RUNNERS) <= set(dispatch.PATHS)
     assert set(dispatch.PATHS) - set(sdpa_attention.RUNNERS) == {"eager", "flex", "flex-reference", "registered"}
+
+
+def test_an_onnx_export_writes_the_path_decided(monkeypatch):
+    """Exported within each graph kind, every layer's decision names the graph that was written: MultiHeadAttention
+    nodes (onnx-fused), our operator's nodes (onnx-kernel) or neither (onnx-portable)."""
+    pytest.importorskip("onnxscript")
+    from disentangled.serving import onnx_attention, onnx_export
+
+    sizes = {**TINY, "num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 128}  # 64 per head
+    model = disentangled.DisentangledModel(disentangled.DisentangledConfig(**sizes)).eval()
+    inputs = onnx_export.example_inputs(model.config, "base", batch=2, length=11)
+    decisions, decide_ = [], modeling_disentangled.decide
+    monkeypatch.setattr(modeling_disentangled, "decide", lambda call: decisions.append(decide_(call)) or decisions[-1])
+    for kind in ("fused", "kernel", "portable"):
+        decisions.clear()
+        with onnx_attention.graph(kind), onnx_export.quiet_exporter():
+            graph = torch.onnx.export(model, (), kwargs=inputs, dynamo=True).model_proto.graph
+        assert [decision.path for decision in decisions] == [f"onnx-{kind}"] * 2, kind
+        assert onnx_export.multi_head_attention_nodes(graph) == (2 if kind == "fused" else 0)
+        assert onnx_export.kernel_nodes(graph) == (2 if kind == "kernel" else 0)
+
+
+def test_an_onnx_export_takes_the_graph_asked_for_or_says_why_not():
+    """The ONNX graph is a fact of the call (`Call.onnx`, from `dispatch.onnx_graph`): each kind its own path, and
+    each fact that a graph cannot take falls back to the next, with the reason."""
+    assert decide(onnx="fused").path == "onnx-fused" and decide(onnx="portable").path == "onnx-portable"
+    assert decide(onnx="kernel").path == "onnx-kernel" and decide(onnx="kernel", mask="none").path == "onnx-kernel"
+    for facts, because in [(dict(head_size=32), "64 dimensions"), (dict(mask="pairs"), "query-key pairs")]:
+        decision = decide(onnx="kernel", **facts)
+        assert decision.path == "onnx-fused" and because in fell_back(decision, "onnx-kernel"), facts
+    for facts, because in [(dict(terms=("c2p", "p2c", "p2p")), "p2p"), (dict(torchscript=True), "TorchScript")]:
+        for asked in ("fused", "kernel"):
+            decision = decide(onnx=asked, **facts)
+            assert decision.path == "onnx-portable" and because in fell_back(decision, f"onnx-{asked}"), facts
+    assert decide(onnx="fused", terms=()).path == "sdpa-dense"  # no position terms: torch's own attention
+    assert decide(onnx="fused", implementation="eager").path == "eager"
+
+
+def test_the_onnx_graph_is_a_fact_of_the_calls_made_within_its_block():
+    """`call_facts` reads the graph asked for only while an ONNX export runs; `onnx_graph` checks the kind, and the
+    kernel graph comes with its writer."""
+    query = torch.randn(1, 2, 8, 64)
+    assert dispatch.call_facts(query, query, query, None, None).onnx is None  # no export running
+    with dispatch.onnx_graph("portable"):
+        assert dispatch.onnx_graph_asked().kind == "portable"
+    assert dispatch.onnx_graph_asked().kind == "fused"  # the package's default
+    with pytest.raises(ValueError, match="is not one of"):
+        with dispatch.onnx_graph("dense"):
+            pass
+    with pytest.raises(ValueError, match="needs its writer"):
+        with dispatch.onnx_graph("kernel"):
+            pass

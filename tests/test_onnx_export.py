@@ -14,8 +14,9 @@ from robustness import skip_unless_supported
 
 import disentangled
 from disentangled import DisentangledConfig, cli
+from disentangled.modeling import onnx_fused
 from disentangled.modeling.modeling_disentangled import DISENTANGLED_ATTENTION_FUNCTIONS
-from disentangled.serving import onnx_attention, onnx_export
+from disentangled.serving import onnx_export
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
@@ -126,7 +127,7 @@ def test_relative_shift_is_the_skew():
         expected = torch.tensor(
             [[by_distance[i, length - 1 - i + j].item() for j in range(length)] for i in range(length)]
         )
-        assert torch.equal(onnx_attention.relative_shift(by_distance), expected)
+        assert torch.equal(onnx_fused.relative_shift(by_distance), expected)
 
 
 def accelerated_deberta(sizes: dict):

@@ -4,8 +4,8 @@
   `default_engine()`;
 - `onnx_export.py`: `disentangled export-onnx`, a model folder to ONNX (float32, or int8 with every matrix product
   quantized), checked against PyTorch with onnxruntime;
-- `onnx_attention.py`: the attention that ONNX exports write for ONNX Runtime (MultiHeadAttention with the position
-  terms as its bias), set up when the package is imported, also for `torch.onnx.export` of accelerated models;
+- `onnx_attention.py`: the kernel graph that `export-onnx --kernel` writes (our operator, one node per layer), and
+  `graph(kind)`, the graph an export writes (the fused one by default: `modeling/onnx_fused.py`);
 - `forking.py`: a process forked after the model ran (a preloading server's workers) runs torch on one thread, where
   GNU OpenMP's threads would hang it.
 
@@ -13,7 +13,7 @@ Exports `quantize_dynamic` and `default_engine`; the package root exports `quant
 `disentangled.quantization` names `quantization.py` there.
 """
 
-from . import forking, onnx_attention  # noqa: F401  (forked children on one thread; the ONNX export's attention)
+from . import forking  # noqa: F401  (forked children on one thread)
 from .quantization import default_engine, quantize_dynamic
 
 __all__ = ["quantize_dynamic", "default_engine"]

@@ -1,31 +1,13 @@
-"""Disentangled attention for ONNX Runtime's fused attention: the position terms as one additive bias, built from
-products and copies, and `com.microsoft.MultiHeadAttention` on top.
+"""The ONNX export's kernel graph (path `onnx-kernel`): each layer's attention as one node of our operator
+`disentangled::Attention` (`ort_operator.py` builds its library for ONNX Runtime), and `graph(kind)`, which chooses the
+graph an export writes.
 
-    A_ij = q_i . k_j * scaling + c2p[i, j] + p2c[i, j] + mask[j]      (scaling folded into Kr and Qr, as in PyTorch)
-
-While a model is exported to ONNX (`torch.onnx.export`, the exporter torch uses by default; `disentangled
-export-onnx`; also transformers' DeBERTa after `disentangled.accelerate(model)`), our sdpa backend asks
-`fused_attention` for the attention of each layer. It writes:
-
-- c2p without gathers over [B, H, L, L]: the relative rows are taken once per distance, in descending order of
-  d = i - j, and one product gives X[i, e] = q_i . Kr[δ(L - 1 - e)] ([B, H, L, 2L]; `by_distance`). Only the
-  distances up to the bucket settings' reach are products (beyond it every distance reads the same row): an edge pad
-  gives the farther columns. Row i of c2p reads X[i, L - 1 - i + j], so c2p is X flattened, shifted by L - 1 and read
-  with rows of 2L - 1 (`relative_shift`: a slice and a reshape, no index);
-- p2c the same way from the keys' side: Y[j, e] = k_j . Qr[δ(e - L + 1)], ascending d, gives p2c transposed
-  ([B, H, j, i]); one transpose turns it round;
-- the key mask added to the bias ([B, 1, 1, L]), finfo.min where a key is padding, as in PyTorch;
-- `com.microsoft.MultiHeadAttention` (ONNX Runtime's CPU and CUDA providers) with that bias as attention_bias.
-
-The products read at most 2 * reach + 1 relative rows (the eager graph reads all 2S by bucket) and none of the eager
-graph's [B, H, L, L] int64 gathers, which onnxruntime's CPU provider runs element by element. What remains are
-copies over [B, H, L, L] (the pad, the shift's slices, p2c's transpose, the adds) and MultiHeadAttention's own: on
-the CPU it keeps the whole [B, H, L, L] probabilities and copies the bias into them (`python -m
-benchmarks.onnx_runtime` has the figures). What is never made: an [L, L] index, a gather over [B, H, L, L].
-
-`graph("portable")` (`export-onnx --portable`) keeps the standard-operator graph that any ONNX runtime runs (the
-dense bias and plain attention). Under torch's older TorchScript exporter (`dynamo=False`), p2p terms, or a torch
-without `torch.onnx.ops`, the portable graph is written too.
+While a model is exported to ONNX, `dispatch.decide` sends each layer's attention to the graph asked for
+(`dispatch.onnx_graph`): "fused" by default (ONNX Runtime's MultiHeadAttention with the position terms as its bias,
+`modeling/onnx_fused.py`), "kernel" within `graph("kernel")` (`export-onnx --kernel`), "portable" within
+`graph("portable")` (`export-onnx --portable`: standard operators, which any ONNX runtime runs). Where a call cannot
+take the graph asked for (the kernel graph: 64 dimensions per head, no mask or a key mask; the fused and the kernel
+graph: no p2p term, torch's current exporter, `torch.onnx.ops`), the decision says why and takes the next.
 """
 
 from __future__ import annotations
@@ -37,112 +19,19 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from ..modeling import native, sdpa_attention
+from ..modeling import dispatch, native
 from ..modeling.disentangled_attention import PositionScores, relative_index_by_distance
 from ..modeling.workspace import int32_column, per_forward
 from . import ort_operator
-
-GRAPHS = ("fused", "kernel", "portable")
-_graph = "fused"
-MS_DOMAIN = "com.microsoft"
-
-
-def current_graph() -> str:
-    """The graph the next ONNX export writes: "fused" (the default) or "portable"."""
-    return _graph
 
 
 @contextlib.contextmanager
 def graph(kind: str) -> Iterator[None]:
     """Within the block, ONNX exports write `kind` attention: "fused" (ONNX Runtime's MultiHeadAttention with the
-    position terms as its bias), "kernel" (our `disentangled::Attention` operator, `ort_operator.py`) or "portable"
+    position terms as its bias), "kernel" (our `disentangled::Attention` operator, `kernel_attention`) or "portable"
     (standard operators only)."""
-    global _graph
-    if kind not in GRAPHS:
-        raise ValueError(f"ONNX attention graph {kind!r} is not one of {list(GRAPHS)}")
-    previous, _graph = _graph, kind
-    try:
+    with dispatch.onnx_graph(kind, kernel_attention if kind == "kernel" else None):
         yield
-    finally:
-        _graph = previous
-
-
-def fused_available() -> bool:
-    """Whether this torch can write the fused graph (`torch.onnx.ops.symbolic`, torch 2.8 on)."""
-    return hasattr(getattr(torch.onnx, "ops", None), "symbolic")
-
-
-def relative_shift(by_distance: Tensor) -> Tensor:
-    """[..., L, 2L] -> [..., L, L]: out[i, j] = by_distance[i, L - 1 - i + j], a slice and a reshape of the flat rows."""
-    length = by_distance.shape[-2]
-    flat = by_distance.flatten(-2)[..., length - 1 : length - 1 + length * (2 * length - 1)]
-    return flat.unflatten(-1, (length, 2 * length - 1))[..., :length]
-
-
-def near_distances(scores: PositionScores) -> int | torch.SymInt:
-    """How far the products go: to the bucket settings' reach, where the column stops changing, or to L - 1."""
-    positions = scores.positions
-    longest = positions.length - 1
-    return longest if positions.reach is None else torch.sym_min(longest, positions.reach)
-
-
-def by_distance(content: Tensor, relative: Tensor, scores: PositionScores, descending: bool) -> Tensor:
-    """content [B, H, L, D] against the relative row of each distance d, L - 1 down to -L (or -(L - 1) up to L):
-    [B, H, L, 2L]. Only the distances up to `near_distances` are products; the columns beyond copy the last of them
-    (an edge pad), as every farther distance reads the same row. The column of -L (or L) is a spare no entry reads."""
-    positions = scores.positions
-    length, near = positions.length, near_distances(scores)
-    steps = torch.arange(2 * near + 1, device=relative.device)
-    distance = near - steps if descending else steps - near  # [2 * near + 1]
-    rows = relative.index_select(-2, positions.column[distance + (length - 1)])  # [H, 2 * near + 1, D]
-    products = content @ rows.mT  # [B, H, L, 2 * near + 1]
-    return F.pad(products, (length - 1 - near, length - near, 0, 0), mode="replicate")  # 4-D: last two axes
-
-
-def terms_by_distance(query: Tensor, key: Tensor, scores: PositionScores) -> Tensor | None:
-    """c2p + p2c [B, H, L, L] from products by distance and relative shifts."""
-    bias = None
-    if scores.pos_key is not None:  # c2p: q_i . Kr[δ(i, j)], from X[i, e] = q_i . Kr[δ(L - 1 - e)]
-        bias = relative_shift(by_distance(query, scores.pos_key, scores, descending=True))  # [B, H, L, L]
-    if (
-        scores.pos_query is not None
-    ):  # p2c: k_j . Qr[δ(i, j)], made as [B, H, j, i] from Y[j, e] = k_j . Qr[δ(e - L + 1)]
-        p2c = relative_shift(by_distance(key, scores.pos_query, scores, descending=False)).mT
-        bias = p2c if bias is None else bias + p2c
-    return bias
-
-
-def fused_attention(
-    query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, scaling: float, scores: PositionScores
-) -> Tensor | None:
-    """The attention of one layer for the fused graph: [B, L, H, D], or None where the portable graph is written."""
-    if _graph == "portable" or not fused_available() or torch.jit.is_tracing() or scores.p2p is not None:
-        return None
-    batch, heads, length, dim = query.shape
-    if _graph == "kernel" and dim == 64 and (attention_mask is None or attention_mask.shape[-2] == 1):
-        return kernel_attention(query, key, value, attention_mask, scaling, scores)
-    bias = terms_by_distance(query, key, scores)  # c2p + p2c, or None
-    if attention_mask is not None:  # [B, 1, 1 | L, L] bool -> additive
-        minimum = torch.finfo(query.dtype).min
-        mask = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(~attention_mask, minimum)
-        bias = mask.expand(batch, heads, length, length) if bias is None else bias + mask
-    inputs = [x.transpose(1, 2).reshape(batch, length, heads * dim) for x in (query, key, value)]
-    if bias is not None and bias.shape[0] != batch:  # no mask: the terms' batch is 1 only if the input's is
-        bias = bias.expand(batch, heads, length, length)
-    context = torch.onnx.ops.symbolic(
-        f"{MS_DOMAIN}::MultiHeadAttention",
-        [
-            *inputs,
-            None,
-            None,
-            bias,
-        ],  # query, key, value, bias (of the projections: none), key_padding_mask, attention_bias
-        {"num_heads": heads, "scale": float(scaling)},
-        dtype=query.dtype,
-        shape=(batch, length, heads * dim),
-        version=1,
-    )
-    return context.unflatten(-1, (heads, dim))
 
 
 KERNEL_DOMAIN = "disentangled"
@@ -207,6 +96,3 @@ def kernel_attention(
         version=ort_operator.OPERATOR_VERSION,
     )
     return context.unflatten(-1, (heads, dim))
-
-
-sdpa_attention.set_onnx_attention(fused_attention)

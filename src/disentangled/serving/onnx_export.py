@@ -5,9 +5,11 @@ batch and sequence axes (and choices, for multiple choice), the model in eval mo
 computed inside the graph from the symbolic length, so one file serves every length; the absolute position table,
 where the model has one, bounds the length at `max_position_embeddings`.
 
-The attention is written for ONNX Runtime (`onnx_attention.py`: `com.microsoft.MultiHeadAttention` with the position
-terms as its bias, made by products and relative shifts); `--portable` writes standard operators only, for other
-runtimes. The exporter's own messages (warnings, progress) are kept from the user unless it fails.
+The attention is written for ONNX Runtime (`modeling/onnx_fused.py`: `com.microsoft.MultiHeadAttention` with the
+position terms as its bias, made by products and relative shifts); `--kernel` writes our operator instead
+(`onnx_attention.py`), `--portable` standard operators only, for other runtimes; `dispatch.decide` names the path
+each layer's attention takes (`onnx-fused`, `onnx-kernel`, `onnx-portable`). The exporter's own messages
+(warnings, progress) are kept from the user unless it fails.
 
 The exported graph does not validate its input (tracing skips the checks of `modeling/validation.py`): token ids
 outside the vocabulary make onnxruntime fail on a Gather, or read garbage on some providers. Validate before
@@ -75,7 +77,7 @@ ARCHITECTURES = {
 }
 NOT_EXPORTABLE = {"flex_attention": "ONNX has no FlexAttention operator; use eager or sdpa"}
 DEFAULT_OPSET = 18
-DEFAULT_ATTENTION = "sdpa"  # the backend whose export writes the fused graph (`onnx_attention.py`)
+DEFAULT_ATTENTION = "sdpa"  # the backend whose export writes the fused graph (`modeling/onnx_fused.py`)
 TOLERANCE = 1e-5
 QUANTIZATIONS = ["int8"]
 MIN_AGREEMENT = 0.99  # int8 check: share of predictions (argmax) that must match the float32 model's
@@ -164,7 +166,7 @@ def export(
     """Export with dynamic batch and sequence axes (and choices); the file is written at `path`.
 
     The model runs in eval mode (its mode is restored after). By default the attention is ONNX Runtime's
-    MultiHeadAttention with the position terms as its bias (`onnx_attention.py`; sdpa's export); with `kernel`, our
+    MultiHeadAttention with the position terms as its bias (`modeling/onnx_fused.py`; sdpa's export); with `kernel`, our
     `disentangled::Attention` operator (`ort_operator.py`); with `portable`, standard operators only. A ValueError
     says so if the exporter wrote another graph than the one asked for."""
     if portable and kernel:
