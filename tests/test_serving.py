@@ -1,7 +1,8 @@
 """Serving from threads and from forked processes (docs/serving.md): one model shared by several threads gives the
 single thread's outputs; a child forked after the model ran answers (GNU OpenMP's threads would hang it: the control
-case shows they do); the stdlib multi-worker server recipe (examples/serve.py) answers a bounded load test with the
-single process's answers."""
+case shows they do); the stdlib multi-worker server recipe (examples/serve.py), serving the model in PyTorch or its
+graph in ONNX Runtime, answers a bounded load test with the single process's answers. The page's serving recipes are
+run by tests/test_serving_page.py and tests/test_onnx_runtime_alone.py."""
 
 from __future__ import annotations
 
@@ -111,16 +112,33 @@ def test_a_child_forked_after_a_forward_answers():
     assert control.returncode == 3 and "the child hung" in control.stdout
 
 
-def test_multi_worker_server_load_test(tmp_path):
+@pytest.mark.parametrize("served", ["pytorch", "onnx"])
+def test_multi_worker_server_load_test(tmp_path, served):
     """examples/serve.py: 2 forked workers behind one socket on loopback, 200 requests from 4 clients; every answer
-    is the single process's (same labels, logits within float32 rounding), p50 / p99 printed, and it stops by itself."""
+    is the single process's (same labels, logits within float32 rounding), p50 / p99 printed, and it stops by itself.
+    The model in PyTorch, and (`--onnx`) its `--kernel` graph in ONNX Runtime, a session made in each worker."""
     tokenizer = tiny_tokenizer()
+    shape = TINY
+    if served == "onnx":
+        pytest.importorskip("onnxruntime")
+        pytest.importorskip("onnxscript")
+        from disentangled.serving import ort_operator
+
+        if ort_operator.why_unavailable() is not None:
+            pytest.skip(f"no operator library: {ort_operator.why_unavailable()}")
+        shape = {**TINY, "hidden_size": 128, "num_attention_heads": 2}  # 64 dimensions per head, as the operator takes
     model = disentangled.DisentangledForSequenceClassification(
-        disentangled.DisentangledConfig(**TINY, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+        disentangled.DisentangledConfig(**shape, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
     )
     model.save_pretrained(tmp_path / "classifier")
     tokenizer.save_pretrained(tmp_path / "classifier")
     command = [sys.executable, str(ROOT / "examples" / "serve.py"), str(tmp_path / "classifier")]
+    if served == "onnx":
+        from disentangled import cli
+
+        graph = tmp_path / "classifier.onnx"
+        assert cli.main(["export-onnx", str(tmp_path / "classifier"), str(graph), "--kernel"]) == 0
+        command += ["--onnx", str(graph)]
     result = subprocess.run(
         [*command, "--workers", "2", "--load-test", "200", "--clients", "4"],
         capture_output=True,
@@ -129,52 +147,8 @@ def test_multi_worker_server_load_test(tmp_path):
     )
     print(result.stdout, result.stderr[-2000:])
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
-    assert "200 of 200 requests answered by 2 forked workers" in result.stdout
+    runtime = {"pytorch": "PyTorch", "onnx": "ONNX Runtime"}[served]
+    assert f"200 of 200 requests answered by 2 forked workers ({runtime})" in result.stdout
     assert " p50 " in result.stdout and " p99 " in result.stdout
     difference = float(result.stdout.split("largest logit difference from the single process ")[1].split()[0])
     assert difference <= 1e-4
-
-
-def test_onnx_runtime_recipe(tmp_path, monkeypatch, capsys):
-    """docs/serving.md's ONNX Runtime recipe, read from the page and run as written, on a classifier and a reranker
-    exported here; its predictions are the PyTorch models' own."""
-    pytest.importorskip("onnxruntime")
-    pytest.importorskip("onnxscript")
-    import re
-
-    from disentangled import cli
-
-    page = (ROOT / "docs" / "serving.md").read_text()
-    block = re.search(
-        r"<!-- covered: tests/test_serving.py::test_onnx_runtime_recipe[^\n]*\n```python\n(.*?)```", page, re.S
-    )
-    assert block, "the recipe block of docs/serving.md"
-    tokenizer = tiny_tokenizer()
-    models = {}
-    for name, labels in (("classifier", 2), ("reranker", 1)):
-        config = disentangled.DisentangledConfig(
-            **{**TINY, "num_labels": labels}, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id
-        )
-        torch.manual_seed(labels)
-        models[name] = disentangled.DisentangledForSequenceClassification(config).eval()
-        models[name].save_pretrained(tmp_path / name)
-        tokenizer.save_pretrained(tmp_path / name)
-        assert cli.main(["export-onnx", str(tmp_path / name), str(tmp_path / f"{name}.onnx")]) == 0
-    monkeypatch.chdir(tmp_path)
-    capsys.readouterr()
-    namespace = {}
-    exec(compile(block[1], "docs/serving.md", "exec"), namespace)  # noqa: S102  (the page's own code)
-    printed = capsys.readouterr().out
-    print(printed)
-    with torch.no_grad():
-        encoded = tokenizer(namespace["texts"], padding=True, return_tensors="pt")
-        probabilities = models["classifier"](
-            input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"]
-        ).logits.softmax(-1)
-        pairs = tokenizer([namespace["query"]] * 3, namespace["passages"], padding=True, return_tensors="pt")
-        scores = models["reranker"](input_ids=pairs["input_ids"], attention_mask=pairs["attention_mask"]).logits[:, 0]
-    labels = models["classifier"].config.id2label
-    assert namespace["predictions"] == [
-        (labels[int(row.argmax())], pytest.approx(float(row.max()), abs=1e-5)) for row in probabilities
-    ]
-    torch.testing.assert_close(torch.from_numpy(namespace["scores"]), scores, rtol=1e-5, atol=1e-5)
