@@ -647,18 +647,35 @@ def test_train_step_times_pytorchs_dropout_draws_beside_the_kernels(monkeypatch,
     """--pytorch-dropout adds the sdpa model with dropout's decisions drawn by PyTorch's generator: those steps run
     with the switch off (no kernel call), the others with it on, and the switch is on afterwards."""
     from benchmarks import train_step
-    from disentangled.modeling import dispatch, native, sdpa_attention
+    from disentangled.modeling import cpu_training, dispatch, native
 
     if not native.available():
         pytest.skip(f"the kernel does not run here: {native.why_unavailable()}")
     drawn = []  # for each dropout mask: whether the kernel drew it
-    function = sdpa_attention.dropout_keep_mask
+    function = cpu_training.dropout_keep_mask
     monkeypatch.setattr(
-        sdpa_attention, "dropout_keep_mask", lambda *args: drawn.append(dispatch.DROPOUT_KERNEL) or function(*args)
+        cpu_training, "dropout_keep_mask", lambda *args: drawn.append(dispatch.DROPOUT_KERNEL) or function(*args)
     )
-    monkeypatch.setattr(train_step.modeling_disentangled, "dropout_keep_mask", sdpa_attention.dropout_keep_mask)
+    monkeypatch.setattr(train_step.modeling_disentangled, "dropout_keep_mask", cpu_training.dropout_keep_mask)
     train_step.main(["--cases", "2x48", "--layers", "1", "--repeats", "1", "--no-eager", "--pytorch-dropout"])
     printed = capsys.readouterr().out
     rows = [line.split(" | ")[0] for line in printed.splitlines() if line.startswith("| ") and " ms |" in line]
     assert rows == ["| ours-sdpa", "| transformers-deberta", "| bert-sdpa", f"| {train_step.PYTORCH_DROPOUT}"]
     assert True in drawn and False in drawn and dispatch.DROPOUT_KERNEL
+
+
+def test_the_serving_latency_tables_are_narrow_and_divide_the_medians():
+    """`benchmarks.onnx_runtime --per-request`'s tables (the serving page's): float32 and int8 milliseconds apart from
+    the ratios, five columns at most, each ratio the quotient of the two medians (not of the fastest calls). The
+    benchmark itself takes minutes even at one layer (12-layer exports and quantization aside), so it is not run here."""
+    from benchmarks import onnx_runtime
+
+    row = {"case": "1x128", "threads": 1, "min": {}, "median": {}}
+    for number, name in enumerate(onnx_runtime.LATENCY_COLUMNS, 1):
+        row["median"][name], row["min"][name] = number / 100, number / 1000
+    text = onnx_runtime.latency_markdown({"repeats": 5, "cases": [row]})
+    tables = [block for block in text.split("\n\n") if block.startswith("|")]
+    assert len(tables) == 3 and all(block.count("|") <= 6 * 3 for block in tables)
+    assert "| 1x128 | 1 | 10.0 (1.0) | 20.0 (2.0) | 30.0 (3.0) |" in tables[0]
+    assert "| 1x128 | 1 | 40.0 (4.0) | 50.0 (5.0) |" in tables[1]
+    assert "| 1x128 | 1 | 0.50 | 1.50 | 0.80 |" in tables[2]
