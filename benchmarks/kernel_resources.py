@@ -122,8 +122,8 @@ def call_launches(
     forward then runs once). flags: mask (a padded batch: its last sequence ends at 3/4 of `length`; else every
     token real, and the model passes no mask), dropout (0.1, a seed drawn as in training), p2p."""
     from disentangled.configuration.configuration_disentangled import DisentangledConfig
-    from disentangled.integrations.sharding import V3_SHAPE
     from disentangled.modeling.modeling_disentangled import DisentangledEncoder, DisentangledModel
+    from disentangled.pretraining.memory import V3_SHAPE
 
     batch, heads = shape["batch"], shape["heads"]
     hidden_size = heads * head_size

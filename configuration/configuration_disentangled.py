@@ -354,3 +354,23 @@ def reject_deberta_v1(config_dict: dict) -> None:
             "this is a DeBERTa v1 checkpoint (model_type 'deberta', fused in_proj weights), which this architecture "
             "does not load directly: convert it first with `disentangled convert SOURCE OUTPUT` and load OUTPUT"
         )
+
+
+def deberta_v1_fields(config: dict) -> dict:
+    """A DeBERTa v1 config (`model_type: deberta`) as our config's fields: clipped distances, separate position
+    projections, no norm (the weights: `conversion/deberta_v1.py`)."""
+    converted = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "transformers_version")}
+    converted.update(
+        relative_attention=config.get("relative_attention", False),
+        max_relative_positions=config.get("max_relative_positions", -1),
+        position_buckets=-1,
+        share_att_key=False,
+        norm_rel_ebd="none",
+        pos_att_type=config.get("pos_att_type") or [],
+        position_biased_input=config.get("position_biased_input", True),
+        type_vocab_size=config.get("type_vocab_size", 0),
+        conv_kernel_size=0,
+        legacy=config.get("legacy", True),
+        talking_head=config.get("talking_head", False),
+    )
+    return converted

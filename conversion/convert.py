@@ -23,7 +23,7 @@ import transformers
 from torch import Tensor, nn
 
 from .bundle import auto_map, write_bundle
-from .deberta_v1 import convert_v1_config, convert_v1_state_dict
+from .deberta_v1 import convert_v1_state_dict
 from .heads import compare_head
 from .model_card import write_model_card
 from .sources import SUPPORTED_MODEL_TYPES, Source, read_source
@@ -222,13 +222,14 @@ def transformers_config(checkpoint: Checkpoint):
 
 def convert_config(checkpoint: Checkpoint):
     """Our config for the checkpoint: v1 fields mapped explicitly, v2 fields with DebertaV2's meaning."""
-    from disentangled import DisentangledConfig
+    from disentangled.configuration import DisentangledConfig
+    from disentangled.configuration.configuration_disentangled import deberta_v1_fields
 
     config = transformers_config(checkpoint).to_dict()
     for key in ("model_type", "transformers_version", "auto_map", "architectures", "torch_dtype", "dtype"):
         config.pop(key, None)
     if checkpoint.model_type == "deberta":
-        config = convert_v1_config(config)
+        config = deberta_v1_fields(config)
     config["architectures"] = ["Disentangled" + TASKS[checkpoint.task].suffix]
     return DisentangledConfig(**config)
 

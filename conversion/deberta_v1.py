@@ -51,21 +51,3 @@ def convert_v1_state_dict(state_dict: dict[str, Tensor], num_heads: int) -> dict
             converted[prefix + name.replace("pos_q_proj", "pos_query_proj")] = value
     return converted
 
-
-def convert_v1_config(config: dict) -> dict:
-    """A v1 config.json as our config's fields: clipped distances, separate position projections, no norm."""
-    converted = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "transformers_version")}
-    converted.update(
-        relative_attention=config.get("relative_attention", False),
-        max_relative_positions=config.get("max_relative_positions", -1),
-        position_buckets=-1,
-        share_att_key=False,
-        norm_rel_ebd="none",
-        pos_att_type=config.get("pos_att_type") or [],
-        position_biased_input=config.get("position_biased_input", True),
-        type_vocab_size=config.get("type_vocab_size", 0),
-        conv_kernel_size=0,
-        legacy=config.get("legacy", True),
-        talking_head=config.get("talking_head", False),
-    )
-    return converted

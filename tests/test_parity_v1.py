@@ -9,7 +9,8 @@ from deberta_shapes import V1_SHAPES, cut
 from parity import check_parity, inflate_weights, padded_batch
 
 import disentangled
-from disentangled.conversion.deberta_v1 import convert_v1_config, convert_v1_state_dict, split_in_proj
+from disentangled.configuration.configuration_disentangled import deberta_v1_fields
+from disentangled.conversion.deberta_v1 import convert_v1_state_dict, split_in_proj
 
 HEADS = {
     "Model": ("DebertaModel", disentangled.DisentangledModel),
@@ -27,7 +28,7 @@ def build_v1_pair(shape: dict, head: str, **overrides):
     config.hidden_dropout_prob = config.attention_probs_dropout_prob = 0.0
     reference = getattr(transformers, reference_name)(config)
     inflate_weights(reference)
-    ours_config = disentangled.DisentangledConfig(**convert_v1_config(config.to_dict()))
+    ours_config = disentangled.DisentangledConfig(**deberta_v1_fields(config.to_dict()))
     ours = ours_class(ours_config)
     state_dict = convert_v1_state_dict(reference.state_dict(), config.num_attention_heads)
     ours.load_state_dict(state_dict, strict=True)

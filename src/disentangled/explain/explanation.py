@@ -502,8 +502,6 @@ def load(name: str, trust_remote_code: bool = False):
 
 
 def run(args: argparse.Namespace) -> int:
-    import disentangled  # noqa: F401  (registers the Auto classes)
-
     if (args.text is None) == (args.texts_file is None):
         raise ValueError("give either a text or --texts-file FILE (one text per line), not both or neither")
     texts = read_texts(args.texts_file, args.text_column, args.max_texts) if args.texts_file is not None else None

@@ -5,7 +5,7 @@
 - `tokenization.py`: DeBERTa-v2/v3 tokenizers from a bare SentencePiece model that load the same on transformers
   4.57 and 5 (`tokenizer_from_spm`, `make_tokenizer_portable`), used by conversion, pretraining and the demo;
 - `sharding.py`: training under FSDP2 and DeepSpeed ZeRO-3 (a wrap policy checked against the tables each module
-  reads, whole-model saving from sharded runs, memory per GPU; docs/multi-gpu.md).
+  reads, whole-model saving from sharded runs; docs/multi-gpu.md).
 
 Exports `accelerate`, `restore`, `enable`, `disable` and `is_accelerated`; the package root exports the first four.
 """

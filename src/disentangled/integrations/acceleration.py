@@ -32,7 +32,7 @@ from transformers.models.deberta import modeling_deberta as deberta_v1
 from transformers.models.deberta_v2 import modeling_deberta_v2 as deberta_v2
 
 from ..configuration import DisentangledConfig
-from ..conversion.deberta_v1 import convert_v1_config
+from ..configuration.configuration_disentangled import deberta_v1_fields
 from ..modeling.disentangled_attention import RelativePositions, head_scaling, warn_once
 from ..modeling.modeling_disentangled import (
     DISENTANGLED_ATTENTION_FUNCTIONS,
@@ -63,7 +63,7 @@ def disentangled_config(config) -> DisentangledConfig:
     if getattr(config, "talking_head", False):
         raise ValueError("talking_head=True (DeBERTa v1) is not supported by our attention; set talking_head=False")
     if config.model_type == "deberta":
-        ours = DisentangledConfig(**convert_v1_config(fields))
+        ours = DisentangledConfig(**deberta_v1_fields(fields))
     else:
         ours = DisentangledConfig.from_dict({**fields, "model_type": "deberta-v2"})
     ours.validate_for_model()

@@ -6,7 +6,8 @@
   sequences);
 - `sequence_draws.py`: masks and generator samples drawn per sequence, and losses as means over every process's
   tokens, so that a run draws and trains alike on any number of processes (docs/multi-gpu.md);
-- `command.py`: the `disentangled pretrain` command (docs/pretraining.md).
+- `command.py`: the `disentangled pretrain` command (docs/pretraining.md);
+- `memory.py`: the training state per GPU under DDP and under FSDP2 / ZeRO-3, fine-tuning and RTD (docs/multi-gpu.md).
 
 Exports the objectives' public names, so `from disentangled.pretraining import MaskingCollator` reads as the manual
 shows it.

@@ -171,7 +171,7 @@ def read_model_config(path: str, option: str):
     """The config of a DeBERTa model folder / Hub id, as a `DisentangledConfig`; ValueError when it is not one."""
     from transformers import PretrainedConfig
 
-    from disentangled import DisentangledConfig
+    from ..configuration import DisentangledConfig
 
     try:  # the raw dict: DisentangledConfig's own reading turns a deberta-v2 one into ours, model_type gone
         config_dict, _ = PretrainedConfig.get_config_dict(path)
@@ -188,7 +188,7 @@ def read_model_config(path: str, option: str):
 
 
 def model_config(args, vocab_size: int, pad_token_id: int):
-    from disentangled import DisentangledConfig
+    from ..configuration import DisentangledConfig
 
     if args.init_from:
         config = read_model_config(args.init_from, "--init-from")
@@ -255,8 +255,8 @@ def build_objective(args, tokenizer, masking=None):
     """The module `Trainer` trains (ReplacedTokenDetectionPretraining or MaskedLMPretraining)."""
     import torch
 
-    from disentangled import DisentangledForMaskedLM
-    from disentangled.pretraining import (
+    from ..modeling import DisentangledForMaskedLM
+    from . import (
         MaskedLMPretraining,
         ReplacedTokenDetectionPretraining,
         check_sharing,
@@ -281,7 +281,7 @@ def build_objective(args, tokenizer, masking=None):
             model = DisentangledForMaskedLM(config)
         return MaskedLMPretraining(model, masking, global_token_mean=True)
 
-    from disentangled.modeling import DisentangledForReplacedTokenDetection
+    from ..modeling import DisentangledForReplacedTokenDetection
 
     config.enhanced_mask_decoder = False
     if args.init_generator:
@@ -320,7 +320,7 @@ def build_objective(args, tokenizer, masking=None):
 
 def write_model_folder(model, tokenizer_files, folder: Path, card: str) -> None:
     """An ordinary, complete model folder: config (+ auto_map), safetensors, tokenizer, remote-code bundle, card."""
-    from disentangled.conversion.bundle import auto_map, write_bundle
+    from ..conversion.bundle import auto_map, write_bundle
 
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer_files.save(folder)
@@ -377,9 +377,9 @@ def run(args: argparse.Namespace) -> int:
     import transformers
     from transformers.trainer_utils import get_last_checkpoint
 
-    from disentangled.integrations.sharding import WrapCheck, is_sharded, unsharded_copy
-    from disentangled.pretraining import MaskingCollator, PaddingCollator, PretrainingTrainer, check_mask_token
-    from disentangled.pretraining.data import (
+    from ..integrations.sharding import WrapCheck, is_sharded, unsharded_copy
+    from . import MaskingCollator, PaddingCollator, PretrainingTrainer, check_mask_token
+    from .data import (
         check_data_files,
         load_texts,
         load_tokenizer,
@@ -523,7 +523,7 @@ def final_check(trainer, held_out, objective: str, seed: int) -> tuple[dict, str
     model's accuracy on masked held-out tokens. None without held-out sequences."""
     import torch
 
-    from disentangled.pretraining import LEARNED_AUC
+    from . import LEARNED_AUC
 
     if held_out is None or len(held_out) == 0:
         if objective == "rtd":

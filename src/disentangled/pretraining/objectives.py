@@ -97,6 +97,10 @@ class SharedEmbedding(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         return F.embedding(ids, self.weight, self.padding_idx)
 
+    def tables_read_elsewhere(self) -> list[tuple[nn.Module, str]]:
+        """The table this forward reads from another module, and why (`integrations/sharding.py`'s FSDP check)."""
+        return [(self.source, "GDES: the discriminator reads sg(E_G) + E_delta")]
+
     def extra_repr(self) -> str:
         return (
             f"{self.num_embeddings}, {self.embedding_dim}, {'sg(E_G) + E_delta' if self.delta is not None else 'E_G'}"
