@@ -553,11 +553,13 @@ def main_per_request(args: argparse.Namespace, argv: list[str] | None) -> dict:
         f"transformers {transformers.__version__}",
     }
     print(report["machine"], flush=True)
+    load = {"start": os.getloadavg()[0]}  # other work on the machine: it slows every path, unevenly
     with tempfile.TemporaryDirectory() as temporary:
         folder = args.folder or Path(temporary)
         folder.mkdir(parents=True, exist_ok=True)
         ours, bert, graphs = prepare_latency(layers, folder)
         rows, differences = latency(ours, bert, graphs, cases, thread_counts, repeats)
+    load["end"] = os.getloadavg()[0]
     torch.set_num_threads(max(thread_counts))  # the record's threads: the most this run used
     figures = {
         "per_request": True,
@@ -567,6 +569,7 @@ def main_per_request(args: argparse.Namespace, argv: list[str] | None) -> dict:
         "cores": cores,
         "dtype": "float32 and int8",
         "spinning": False,
+        "load_average": load,
         "versions": report["versions"],
         "cases": rows,
         "max_abs_diff": differences,

@@ -859,9 +859,16 @@ def latency_section(record: dict) -> str:
     """One machine's latency tables (`benchmarks.onnx_runtime --per-request`), under the line that says where and how
     they were measured."""
     figures = record["figures"]
+    load = figures.get("load_average")
+    load = (
+        f"; the machine's load average {load['start']:.1f} when it started, {load['end']:.1f} when it ended"
+        if load
+        else ""
+    )
     where = (
         f"{processor_line(record)}, {figures['cores']} cores, threads {' and '.join(map(str, figures['thread_counts']))}"
-        f", {figures['layers']} layers, {record['time'][:10]}; {figures['versions'].split(', ')[0]}, {provenance(record)}"
+        f", {figures['layers']} layers, {record['time'][:10]}{load}; {figures['versions'].split(', ')[0]}, "
+        f"{provenance(record)}"
     )
     return where + "\n\n" + onnx_runtime.latency_markdown(figures)
 
