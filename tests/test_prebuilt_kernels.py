@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from disentangled.serving import prebuilt
 
 TESTS = Path(__file__).resolve().parent
 CHOSEN = native.instruction_set()[0]
+RUNS = [name for name in native._processor_sets()[0] if name != "none"]  # every set this processor runs, best first
 
 pytestmark = pytest.mark.skipif(
     CHOSEN == "none" or native._compiler() is None,
@@ -73,9 +75,10 @@ print(json.dumps({
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    """The libraries of this processor's set (PyTorch's kernels only), as `disentangled build-kernels` writes them."""
+    """The libraries of the sets this processor runs (PyTorch's kernels only), as `disentangled build-kernels` writes
+    them."""
     built = tmp_path_factory.mktemp("kernels")
-    prebuilt.write(built, [native.machine_kind()], [CHOSEN], onnxruntime=False)
+    prebuilt.write(built, [native.machine_kind()], RUNS, onnxruntime=False)
     return built
 
 
@@ -95,20 +98,26 @@ def test_the_folder_holds_the_library_and_says_what_it_is(folder):
     entry = described["libraries"][library.name]
     assert entry["instruction_set"] == CHOSEN and entry["machine"] == native.machine_kind()
     assert "-march" not in entry["flags"] and described["use"] == f"{native.KERNELS}={folder.resolve()}"
+    if shutil.which("readelf"):  # what it needs: the C library (libm) and OpenMP's runtime, nothing of this machine
+        dynamic = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True, check=True).stdout
+        needed = set(re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", dynamic))
+        assert needed and needed <= {"libc.so.6", "libm.so.6", "libgomp.so.1"}, needed
 
 
-def test_without_a_compiler_the_prebuilt_library_runs_the_compiled_path(folder, tmp_path):
+@pytest.mark.parametrize("name", RUNS)
+def test_without_a_compiler_the_prebuilt_library_runs_the_compiled_path(folder, tmp_path, name):
     """The subprocess finds no compiler and compiles nothing (its cache stays empty), yet the report gives the fused
     path, the kernels run, and the outputs are the PyTorch path's and eager's within 1e-5; `disentangled env` names
-    the library and DISENTANGLED_KERNELS."""
-    env = without_a_compiler(tmp_path, **{native.KERNELS: str(folder)})
+    the library and DISENTANGLED_KERNELS. Each set the processor runs (a lower one chosen by DISENTANGLED_CPU_ISA, as
+    on a processor without the higher)."""
+    env = without_a_compiler(tmp_path, **{native.KERNELS: str(folder), "DISENTANGLED_CPU_ISA": name})
     result = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(TESTS)], env=env, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(result.stdout.splitlines()[-1])
     assert found["compilers"] == [] and not any((tmp_path / "cache").iterdir())
-    library = folder / native.prebuilt_name(native.machine_kind(), CHOSEN, native.kernels_version())
+    library = folder / native.prebuilt_name(native.machine_kind(), name, native.kernels_version())
     assert found["native"]["built"] and found["native"]["library"] == str(library)
     assert found["native"]["library_from"] == native.KERNELS
     assert found["path"] in ("cpu-fused", "cpu-bias-kernel") and found["ran"] in (["attend"], ["position_bias"])
