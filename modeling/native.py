@@ -386,8 +386,11 @@ def compiled(source: Path, flags: tuple[str, ...], name: str, stem: str | None =
 
 
 def _build(flags: tuple[str, ...] | None = None, name: str | None = None) -> ctypes.CDLL | None:
-    """Compile for vector set `name` (default: `instruction_set()`'s) with `flags` (default: `flags_for(name)`), or
-    find it in the cache, and load the kernel; None, with the reason in `_state['why']`, if it cannot."""
+    """Load the kernel for vector set `name` (default: `instruction_set()`'s): DISENTANGLED_KERNELS's prebuilt library
+    where it is set, the package's prebuilt one where no compiler is found, else compiled with `flags` (default:
+    `flags_for(name)`) or found in the cache; `flags` given, always compiled. None, with the reason in
+    `_state['why']`, if it cannot; a ValueError where DISENTANGLED_KERNELS's folder lacks the set's library, or a
+    prebuilt folder holds another version's (`_prebuilt`)."""
     chosen, reason = instruction_set()
     name = name or chosen
     if name == "none":
@@ -473,7 +476,8 @@ def turned_off():
 
 
 def available() -> bool:
-    """Whether the kernel can run here (compiles it on the first call): built for `instruction_set()`'s set."""
+    """Whether the kernel can run here (compiles or loads it on the first call): built for `instruction_set()`'s set.
+    Raises the ValueError of a prebuilt folder that cannot serve (`_build`)."""
     return _library() is not None
 
 
