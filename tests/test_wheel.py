@@ -1,10 +1,10 @@
 """The wheel a user installs (docs/getting-started.md, "A wheel with its kernels"), made as the page says on a copy of
 the checkout: `disentangled build-kernels modeling/prebuilt`, then `python -m build --wheel` (offline here:
 --no-isolation, this environment's setuptools). The wheel holds the package `disentangled` alone and the prebuilt
-libraries; installed into a fresh virtual environment (torch and transformers from the system's site-packages, the
-checkout not importable: the commands run from an empty folder), with no compiler on PATH, no CC and an empty cache,
-`disentangled env` reports the wheel's library and the compiled path, and `disentangled demo` runs on a small budget.
-One slow test: the kernels and the wheel are built once."""
+libraries; installed into a fresh virtual environment (torch and transformers from this one's site-packages, the
+checkout not importable: no editable finder, the commands run from an empty folder), with no compiler on PATH, no CC
+and an empty cache, `disentangled env` reports the wheel's library and the compiled path, and `disentangled demo`
+runs on a small budget. One slow test: the kernels and the wheel are built once."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shlex
+import site
 import subprocess
 import sys
 import zipfile
@@ -71,9 +72,14 @@ def test_the_wheel_carries_its_kernels_and_runs_without_a_compiler(tmp_path):
     assert expected | {f"disentangled_attention_{machine}.so", "disentangled_kernels.json"} <= carried
 
     environment = tmp_path / "venv"
-    run([sys.executable, "-m", "venv", "--system-site-packages", str(environment)])
+    run([sys.executable, "-m", "venv", str(environment)])
     python = environment / "bin" / "python"
-    # --ignore-installed: this checkout's own (editable) install, seen through the system's site-packages, stays
+    # torch, transformers and the rest from this environment's site-packages, listed after the venv's own: a path
+    # line of a .pth file runs none of the .pth files in it, so the checkout's editable install is not seen (unlike
+    # --system-site-packages, this works from inside a virtual environment too, as CI's)
+    own = run([str(python), "-c", "import site; print(site.getsitepackages()[0])"]).stdout.strip()
+    (Path(own) / "test_wheel_parent.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    # --ignore-installed: the checkout's own install, whose metadata pip sees there, is left alone
     run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", str(wheel)])
 
     elsewhere, cache = tmp_path / "elsewhere", tmp_path / "cache"
