@@ -101,6 +101,10 @@ def test_the_wheel_carries_its_kernels_and_runs_without_a_compiler(tmp_path):
     assert library.is_relative_to(environment) and library.name == native.prebuilt_name(machine, chosen, version)
     (row,) = [row for row in report["paths"] if (row["dtype"], row["mode"]) == ("float32", "inference")]
     assert row["path"] in ("cpu-fused", "cpu-bias-kernel")
+    if importlib.util.find_spec("onnxruntime"):  # the operator library for the package's own sessions: the wheel's
+        operator = "from disentangled.serving import ort_operator; print(ort_operator.library_path())"
+        found = Path(run([str(python), "-c", operator], cwd=elsewhere, env=env).stdout.strip())
+        assert found.is_relative_to(environment) and found.name == f"disentangled_attention_{machine}.so"
 
     demo = [str(environment / "bin" / "disentangled"), "demo", "--pretrain-steps", "5", "--train-size", "32"]
     out = run([*demo, "--eval-size", "32", "--epochs", "1"], cwd=elsewhere, env=env).stdout
