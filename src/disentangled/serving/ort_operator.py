@@ -72,6 +72,15 @@ def library_name(machine: str | None = None) -> str:
     return f"disentangled_attention_{machine_kind(machine)}.so"
 
 
+def compiler_for(machine: str) -> str | None:
+    """The C compiler that builds for machine kind `machine` here: the system's for this machine's kind (CC, else cc,
+    gcc or clang), else the cross compiler (`CROSS_COMPILERS`); None where there is none."""
+    if machine == machine_kind():
+        return native._compiler()
+    cross = CROSS_COMPILERS.get(machine)
+    return shutil.which(cross) if cross else None
+
+
 def build(machine: str | None = None) -> tuple[Path | None, str]:
     """The library for every processor of `machine` (default: this one's kind), compiled into the cache or found
     there: (its path, "") or (None, why not). Each unit of `UNITS[machine]` is `ort_attention.c` compiled with its
@@ -79,10 +88,7 @@ def build(machine: str | None = None) -> tuple[Path | None, str]:
     machine = machine_kind(machine)
     if machine not in UNITS:
         return None, f"the operator library is built for {' and '.join(UNITS)}, not {machine}"
-    if machine == machine_kind():
-        compiler = native._compiler()
-    else:
-        compiler = shutil.which(CROSS_COMPILERS[machine])
+    compiler = compiler_for(machine)
     if compiler is None:
         wanted = "cc, gcc or clang" if machine == machine_kind() else CROSS_COMPILERS[machine]
         return None, f"no C compiler ({wanted}) on PATH"

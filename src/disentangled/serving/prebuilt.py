@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -31,26 +30,17 @@ SIDECAR = "disentangled_kernels.json"
 NEEDS = "the C library and libgomp.so.1 (OpenMP: the one torch ships where it ships it by that name, else the system's)"
 
 
-def compiler_for(machine: str) -> str | None:
-    """The C compiler that builds for machine kind `machine` here: the system's for this machine's kind, else the
-    cross compiler (`ort_operator.CROSS_COMPILERS`); None where there is none."""
-    if machine == native.machine_kind():
-        return native._compiler()
-    cross = ort_operator.CROSS_COMPILERS.get(machine)
-    return shutil.which(cross) if cross else None
-
-
 def buildable() -> list[str]:
     """The machine kinds whose libraries this machine builds: its own, and each other kind whose cross compiler is
     on PATH."""
-    return [kind for kind in native.MACHINE_SETS if kind == native.machine_kind() or compiler_for(kind)]
+    return [kind for kind in native.MACHINE_SETS if kind == native.machine_kind() or ort_operator.compiler_for(kind)]
 
 
 def write(
     folder: str | Path, machines: list[str] | None = None, sets: list[str] | None = None, onnxruntime: bool = True
 ) -> list[Path]:
-    """The libraries for each of `machines` (default: `buildable()`) written into `folder` with the sidecar, PyTorch's kernels for each of the kind's vector sets (or those of
-    `sets`) and, with `onnxruntime`, the operator library. Libraries of other versions of the kernels for the same
+    """The libraries for each of `machines` (default: `buildable()`) written into `folder` with the sidecar: PyTorch's
+    kernels for each of the kind's vector sets (or those of `sets`) and, with `onnxruntime`, the operator library. Libraries of other versions of the kernels for the same
     machine and set are removed. A ValueError says why where this machine's kind cannot be built."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -63,7 +53,7 @@ def write(
     for machine in machines:
         if machine not in native.MACHINE_SETS:
             raise ValueError(f"the kernels are built for {' and '.join(native.MACHINE_SETS)}, not {machine}")
-        compiler = compiler_for(machine)
+        compiler = ort_operator.compiler_for(machine)
         if compiler is None:
             wanted = "cc, gcc or clang" if machine == native.machine_kind() else ort_operator.CROSS_COMPILERS[machine]
             raise ValueError(
