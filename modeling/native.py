@@ -564,7 +564,7 @@ def _bias_args(out, c2p, p2c, column, c2p_column, keep, first_row, first_key, he
     )
 
 
-# The kernels' contract (`position_bias.c`, above position_bias): the C refuses what breaks its rules 1 and 2 with
+# The kernels' contract (`position_bias.h`, above column_fault): the C refuses what breaks its rules 1 and 2 with
 # this code, and `_refusal` names the rule; the wrappers here check what only they can see (dtypes, shapes, memory).
 COLUMNS_REFUSED = 4
 
@@ -759,7 +759,7 @@ def attend(
     scale: float,
     workspace: Tensor,
 ) -> Tensor:
-    """Attention with the position terms made inside the tile (`position_bias.c`, attend), in bfloat16 on AMX or in
+    """Attention with the position terms made inside the tile (`position_bias.h`, attend), in bfloat16 on AMX or in
     float32 with the vector set built:
     out [g, L, H, 64] = softmax(scale q kᵀ + c2p + p2c) v over the keys of `keys` that `keep` marks 1, for query,
     key and value [g, H, L, 64] (any strides with a contiguous last dimension), where c2p[i, j] = q_i . Kr[c(i - j)]
@@ -841,7 +841,7 @@ def _kernel_columns(positions) -> tuple[Tensor, Tensor] | None:
 
 
 def tiles_hold(column: Tensor) -> bool:
-    """Whether the kernel's tiles can read these columns (rule 1 of `position_bias.c`'s contract): one distance more
+    """Whether the kernel's tiles can read these columns (rule 1 of the contract in `position_bias.h`): one distance more
     reads the same column or the next, so that 16 consecutive distances read 16 consecutive columns or fewer. True of
     clipped distances and of every released bucket setting (the log buckets compress distances there); not where the
     buckets outnumber the distances they cover (8 buckets reaching 7 positions step by two columns)."""
