@@ -7,10 +7,13 @@ little; the same check must fail for a graph of another model.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 
 import numpy as np
 import pytest
+import tiny_models
 import torch
 from tiny_models import tokenizer as tiny_tokenizer
 
@@ -19,17 +22,7 @@ from disentangled import DisentangledConfig, cli
 from disentangled.demo.data import sentiment_examples
 from disentangled.serving import onnx_export
 
-TINY = dict(
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=64,
-    position_buckets=8,
-    max_relative_positions=64,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-    num_labels=2,
-)
+TINY = dict(tiny_models.TINY, position_buckets=8, max_relative_positions=64, num_labels=2)
 LABELS = {"negative": 0, "positive": 1}
 
 
@@ -129,8 +122,10 @@ def int8_graph(trained, check_texts, tmp_path_factory):
     pytest.importorskip("onnxscript")
     _, folder, _ = trained
     output = tmp_path_factory.mktemp("onnx") / "int8.onnx"
-    code = cli.main(["export-onnx", str(folder), str(output), "--quantize", "int8", "--check-texts", str(check_texts)])
-    return code, output
+    argv = ["export-onnx", str(folder), str(output), "--quantize", "int8", "--check-texts", str(check_texts)]
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        code = cli.main(argv)
+    return code, output, printed.getvalue()
 
 
 def test_export_onnx_int8_end_to_end(trained, int8_graph):
@@ -139,7 +134,7 @@ def test_export_onnx_int8_end_to_end(trained, int8_graph):
     import onnx
 
     model, _, (inputs, _) = trained
-    code, output = int8_graph
+    code, output, _ = int8_graph
     assert code == 0
     assert sorted(path.name for path in output.parent.iterdir()) == ["int8.onnx"]  # no temporary files left
     graph = onnx.load(str(output)).graph
@@ -162,7 +157,7 @@ def test_int8_check_fails_for_another_models_graph(trained, int8_graph, check_te
     """The prediction check can fail: against a differently trained model's graph its agreement drops. On texts it
     refuses; on generated inputs it reports the low agreement and does not refuse."""
     model, folder, _ = trained
-    _, output = int8_graph
+    _, output, _ = int8_graph
     torch.manual_seed(1)
     other = disentangled.DisentangledForSequenceClassification(model.config).eval()
     with torch.no_grad():
@@ -227,15 +222,13 @@ def test_einsum_rewrite_is_the_same_product():
     np.testing.assert_allclose(table, np.einsum("bhld,hrd->bhlr", content, rows), rtol=1e-5, atol=1e-5)
 
 
-def test_int8_check_on_the_users_texts(trained, check_texts, tmp_path, capsys):
+def test_int8_check_on_the_users_texts(int8_graph):
     """--check-texts: the check runs on the file's texts through the folder's tokenizer and says so (without it,
-    the output says the check ran on generated inputs: `test_failed_int8_check_leaves_nothing_and_says_what_to_do`)."""
-    _, folder, _ = trained
-    output = tmp_path / "model.onnx"
-    argv = ["export-onnx", str(folder), str(output), "--quantize", "int8", "--check-texts", str(check_texts)]
-    assert cli.main(argv) == 0
-    printed = capsys.readouterr().out
+    the output says the check ran on generated inputs: `test_failed_int8_check_leaves_nothing_and_says_what_to_do`).
+    The export is `int8_graph`'s, whose printed output is kept."""
+    code, output, printed = int8_graph
     print(printed)
+    assert code == 0
     assert "on your texts: argmax agreement" in printed and "checked on 200 texts of --check-texts" in printed
     assert output.is_file()
 
