@@ -20,7 +20,7 @@ Random heads score every span near 0.5, so entity extraction runs with a thresho
 what a trained model's handful of entities costs, not the tens of thousands of spans above 0.5.
 
 GLiNER 0.2.29 requires transformers < 5.17: where the running interpreter cannot import it, its cases run in a child
-process of `--python` (by default `.venv457suite/bin/python`, the transformers 4.57 environment of .ci/run, when it
+process of `--python` (by default `.venv457/bin/python`, the transformers 4.57 environment of .ci/run, when it
 has gliner), on the same folder; every case records the versions it ran with. A library that is not installed is
 skipped, and the run says so.
 
@@ -57,7 +57,7 @@ from benchmarks.run import V3_BASE
 from disentangled.integrations.acceleration import is_accelerated
 
 ROOT = Path(__file__).resolve().parent.parent
-VENV_PYTHON = ROOT / ".venv457suite" / "bin" / "python"  # transformers 4.57 (.ci/run), where gliner installs
+VENV_PYTHON = ROOT / ".venv457" / "bin" / "python"  # transformers 4.57 (.ci/run), where gliner installs
 LIBRARIES = ("gliner", "gliner2", "crossencoder")
 PACKAGES = {"gliner": "gliner", "gliner2": "gliner2", "crossencoder": "sentence_transformers"}
 LENGTHS, BATCHES = (128, 512, 2048), (1, 8)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-# The transformers 4.57 environment .ci/run creates (a venv without this package); override with the variable.
+# The transformers 4.57 environment .ci/run creates (over the system's packages: PRELUDE keeps this package out);
+# override with the variable.
 PYTHON_4_57 = Path(os.environ.get("DISENTANGLED_PYTHON_4_57", REPO / ".venv457" / "bin" / "python"))
 
 PRELUDE = """

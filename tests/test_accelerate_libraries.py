@@ -8,8 +8,8 @@ spans, labels and order, scores within float32 tolerance. The same again for a m
 under `disentangled.enable()` (asserted accelerated), and after `disable()` (asserted plain). Last, a folder saved
 from an accelerated model loads in plain transformers where the package cannot be imported.
 
-GLiNER pins transformers < 5.17: it runs in the transformers 4.57 environment .ci/run makes (.venv457suite, with this
-package and gliner), as a child process (gliner_accelerate_457.py), which also runs accelerate on transformers 4.57.
+GLiNER pins transformers < 5.17: it runs in the transformers 4.57 environment .ci/run makes (.venv457, with gliner;
+tests/isolated.py), as a child process (gliner_accelerate_457.py), which also runs accelerate on transformers 4.57.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import pytest
 import torch
 import transformers
 from accelerate_checkpoints import NER_LABELS, NLI_LABELS, save_checkpoint
-from isolated import REPO, run_isolated, system_python
+from isolated import PYTHON_4_57, run_isolated, system_python
 from parity import inflate_weights
 from safetensors.torch import load_file
 
@@ -36,8 +36,6 @@ from disentangled.integrations.acceleration import is_accelerated
 
 HERE = Path(__file__).resolve().parent
 IN_CI = bool(os.environ.get("CI"))  # .ci/run installs every library and environment used here: missing one fails
-# transformers 4.57 with this package and gliner (.ci/run makes it); override with the variable
-PYTHON_4_57_SUITE = Path(os.environ.get("DISENTANGLED_PYTHON_4_57_SUITE", REPO / ".venv457suite" / "bin" / "python"))
 SCORE_RTOL = 1e-5  # float32: a score differs from the unaccelerated one by at most 1e-5 of itself
 
 TEXT = "the quick brown fox ran under the tree in berlin and paris is the capital of france"
@@ -140,10 +138,10 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_gliner_entities_accelerated_or_not(folders, tmp_path):
-    if not PYTHON_4_57_SUITE.exists():
-        unavailable(f"no transformers 4.57 environment at {PYTHON_4_57_SUITE} (.ci/run creates it)")
+    if not PYTHON_4_57.exists():
+        unavailable(f"no transformers 4.57 environment at {PYTHON_4_57} (.ci/run creates it)")
     result = subprocess.run(
-        [str(PYTHON_4_57_SUITE), str(HERE / "gliner_accelerate_457.py"), str(folders["backbone"]), str(tmp_path)],
+        [str(PYTHON_4_57), str(HERE / "gliner_accelerate_457.py"), str(folders["backbone"]), str(tmp_path)],
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -152,7 +150,7 @@ def test_gliner_entities_accelerated_or_not(folders, tmp_path):
         stdin=subprocess.DEVNULL,
     )
     if "No module named 'gliner'" in result.stderr:
-        unavailable(f"gliner is not installed in {PYTHON_4_57_SUITE} (.ci/run installs gliner==0.2.29 there)")
+        unavailable(f"gliner is not installed in {PYTHON_4_57} (.ci/run installs gliner==0.2.29 there)")
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.split("REPORT ", 1)[1])
     assert report["transformers"].startswith("4.57."), report["transformers"]
