@@ -51,7 +51,7 @@ from torch.nn import functional as F
 from benchmarks import machine
 from benchmarks.run import V3_BASE, build_models, in_fresh_processes, inputs_for, print_ratio_medians, time_once
 from disentangled.modeling import cpu_inference as by_distance
-from disentangled.modeling import disentangled_attention, dispatch, native, sdpa_attention, workspace
+from disentangled.modeling import disentangled_attention, dispatch, native, workspace
 
 PYTORCH = {"CPU_KERNEL": False}  # the path without the compiled kernel, which the variants below it tune
 VARIANTS = {
@@ -64,8 +64,8 @@ VARIANTS = {
     "band-128-keys": {**PYTORCH, "BAND_TABLE_KEYS": 128},
     "unpadded-products": {**PYTORCH, "PRODUCT_COLUMNS_MULTIPLE": 1},
 }
-# the module each setting is read from (the switches: `dispatch`; `_attend_by_distance`: where `sdpa_disentangled`
-# calls it)
+# the module each setting is read from (the switches: `dispatch`; `_attend_by_distance`: `cpu_inference`, whose
+# runner calls it)
 HOMES = {
     "KEEP_WORKSPACE": dispatch,
     "ADD_CHUNK_KEYS": by_distance,
@@ -74,7 +74,7 @@ HOMES = {
     "CPU_KERNEL": dispatch,
     "KERNEL_SPLIT_LENGTH": by_distance,
     "CPU_FUSED": dispatch,
-    "_attend_by_distance": sdpa_attention,
+    "_attend_by_distance": by_distance,
 }
 
 

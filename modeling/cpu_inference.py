@@ -12,7 +12,9 @@ each block's bias instead, from T and U by bucket (one product per block and one
 pass that PyTorch's operators would take three for (a gather or transposing copy, a copy, an add); the far keys are
 then split off from KERNEL_SPLIT_LENGTH tokens on only. With 64 dimensions per head and no mask or a key mask, the
 compiled kernel runs the whole attention instead (`_attend_fused`: bfloat16 on AMX, float32 on AVX-512), the
-bias made inside its tiles and never written. Which of the three serves a call is decided by `dispatch.decide`.
+bias made inside its tiles and never written. Which of the three serves a call is decided by `dispatch.decide`; each
+has its runner here for sdpa's table (cpu-fused: `_run_cpu_fused`; cpu-bias-kernel and cpu-by-distance:
+`_run_by_distance`).
 
 In `modeling/`'s layering (`__init__.py`): layer 3, the CPU kernels' path, which sdpa calls.
 """
@@ -52,10 +54,37 @@ KERNEL_SPLIT_LENGTH = 4096
 # Bias elements per block with the kernel in bfloat16 (8 MiB): fewer, larger SDPA calls, which timed a little faster
 # at 4x512 and 1x2048 on a 2-core Xeon with AMX in a one-off A/B (float32 timed best at DISTANCE_BLOCK_ELEMENTS)
 KERNEL_BFLOAT16_BLOCK_ELEMENTS = 1 << 22
-# Which of the three paths below serves a call is `dispatch.decide`'s (switches CPU_KERNEL, CPU_FUSED, FUSED_FLOAT32
-# there). float32 runs the fused attention too (AVX-512 products), at every length: with the values packed per plane
+# Which of the three paths below serves a call is `dispatch.decide`'s (switches CPU_KERNEL and CPU_FUSED there).
+# float32 runs the fused attention too (AVX-512 products), at every length: with the values packed per plane
 # it timed 1.18 / 1.33 times BERT at 1x4096 / 1x8192 against the bias kernel's 1.38 / 1.61 (far keys split off), one
 # process, 2 threads, 1 layer (before the packing, 1.42 against 1.39 at 1x4096).
+
+
+# The runners of sdpa's table (`sdpa_attention.RUNNERS`) for the paths of this file: (decision, module, query, key,
+# value, attention_mask, scaling, dropout, position_scores, block_elements) -> (context [B, L, H, D], None).
+
+
+def _run_cpu_fused(
+    decision, module, query, key, value, attention_mask, scaling, dropout, position_scores, block_elements
+):
+    """cpu-fused: the whole attention by the compiled kernel, the bias made inside its tiles (`_attend_fused`)."""
+    positions = position_scores.positions
+    # in the query's dtype: under autocast the projections may be float32
+    rows = (position_scores.pos_key, position_scores.pos_query)
+    pos_key, pos_query = (t.to(query.dtype) if t is not None else None for t in rows)
+    kernel = _KernelTables(positions, pos_key, pos_query)
+    context = _attend_fused(kernel, positions, query, key, value, attention_mask, scaling)
+    return _uniform_where_padding(context, value, attention_mask), None
+
+
+def _run_by_distance(
+    decision, module, query, key, value, attention_mask, scaling, dropout, position_scores, block_elements
+):
+    """cpu-bias-kernel and cpu-by-distance (`_attend_by_distance`, as the path says)."""
+    context = _attend_by_distance(
+        position_scores, query, key, value, attention_mask, scaling, block_elements, path=decision.path
+    )
+    return context, None
 
 
 def _round_up(columns: int) -> int:
@@ -90,8 +119,8 @@ def _attend_by_distance(
 ) -> Tensor:
     """CPU inference: the position terms read from tables by distance, so that a block's bias is a view, not a gather.
 
-    `path` is `dispatch.decide`'s: "cpu-by-distance" (PyTorch alone, as below), "cpu-bias-kernel" (each block's bias
-    by the compiled kernel, from the tables by bucket) or "cpu-fused" (the whole attention by the compiled kernel).
+    `path` is `dispatch.decide`'s: "cpu-by-distance" (PyTorch alone, as below) or "cpu-bias-kernel" (each block's bias
+    by the compiled kernel, from the tables by bucket; "cpu-fused" is `_attend_fused`'s).
 
     For query rows [first, last) against keys [k0, k1), the distances d = i - j cover an interval of
     (rows + keys - 1) values, so each term is a product with the relative rows of those distances, and its bias
@@ -122,10 +151,7 @@ def _attend_by_distance(
     key_mask = mask is not None and mask.shape[-2] == 1
     near_low, near_high = positions.near
     # the kernel's tables by bucket; None: T and U by distance, below
-    kernel = _KernelTables(positions, pos_key, pos_query) if path != "cpu-by-distance" else None
-    if path == "cpu-fused":  # the bias made inside the attention tile
-        context = _attend_fused(kernel, positions, query, key, value, mask if key_mask else None, scaling)
-        return _uniform_where_padding(context, value, mask)
+    kernel = _KernelTables(positions, pos_key, pos_query) if path == "cpu-bias-kernel" else None
     if block_elements is None:
         bfloat16_kernel = kernel is not None and query.dtype == torch.bfloat16
         block_elements = KERNEL_BFLOAT16_BLOCK_ELEMENTS if bfloat16_kernel else DISTANCE_BLOCK_ELEMENTS

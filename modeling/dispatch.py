@@ -9,9 +9,10 @@ facts only (device, dtype, head size, length, gradients, dropout, mask, position
 the switches), never tensor data, so `disentangled env` asks the same function what would serve a call it describes,
 without running one.
 
-Paths, in the order each device prefers them (`PATHS` says what runs each):
+Paths, in the order each device prefers them (`PATHS` says what runs each, and in which file):
 
     on every device  eager, flex, flex-reference, registered, sdpa-dense
+    an ONNX export   onnx-kernel, onnx-fused, onnx-portable (the graph asked for: `onnx_graph`)
     CUDA             triton, then sdpa-blocked
     CPU inference    cpu-fused, cpu-bias-kernel, cpu-by-distance
     CPU training     cpu-training-kernel, cpu-training
@@ -126,12 +127,12 @@ PATHS = {  # path: what runs it
     "registered": "an attention function registered with transformers, given one dense bias",
     "sdpa-dense": "scaled_dot_product_attention with one dense bias (no position terms, or a traced graph)",
     "triton": "the fused Triton kernel (triton_attention.py)",
-    "cpu-fused": "the compiled fused attention, the bias made inside its tiles (native.attend)",
+    "cpu-fused": "the compiled fused attention, the bias made inside its tiles (cpu_inference._attend_fused)",
     "cpu-bias-kernel": "CPU inference by distance, each block's bias by the compiled kernel (native.position_bias)",
     "cpu-by-distance": "CPU inference by distance in PyTorch (cpu_inference._attend_by_distance)",
     "cpu-training-kernel": "CPU training's blocked attention, bias and gradient by the compiled kernel",
-    "cpu-training": "CPU training's blocked attention (sdpa_attention.BlockedAttention) in PyTorch",
-    "sdpa-blocked": "scaled_dot_product_attention one block of query rows at a time, keys reversed",
+    "cpu-training": "CPU training's blocked attention (cpu_training.BlockedAttention) in PyTorch",
+    "sdpa-blocked": "scaled_dot_product_attention one block of query rows at a time, keys reversed (blocks.py)",
     "onnx-fused": "an ONNX export: ONNX Runtime's MultiHeadAttention with the position terms as its bias (onnx_fused.py)",
     "onnx-kernel": "an ONNX export: our disentangled::Attention operator (disentangled.serving.onnx_attention)",
     "onnx-portable": "an ONNX export in standard operators: one dense bias and plain attention, as sdpa-dense",

@@ -43,7 +43,9 @@ from ..configuration.configuration_disentangled import DisentangledConfig
 
 # transformers 4.57 copies a local folder's remote code by the model file's own relative imports (not by theirs in
 # turn), so this file imports every bundled sibling, cpu_inference.py (which only sdpa uses) included.
+from .blocks import SDPA_BLOCK_ELEMENTS as _BLOCKS  # noqa: F401  (what the blocked paths share)
 from .cpu_inference import CPU_FLASH_WITH_LSE  # noqa: F401
+from .cpu_training import dropout_keep_mask
 from .disentangled_attention import (
     PositionScores,
     RelativePositions,
@@ -55,7 +57,7 @@ from .disentangled_attention import (
 from .dispatch import Decision, call_facts, decide, native, switch_value, without_the_package
 from .flex_attention import flex_disentangled
 from .onnx_fused import fused_attention  # noqa: F401  (an ONNX export's fused graph; see cpu_inference above)
-from .sdpa_attention import dropout_keep_mask, sdpa_disentangled
+from .sdpa_attention import sdpa_disentangled
 from .triton_attention import TRITON_AVAILABLE  # noqa: F401  (sdpa's CUDA kernel; see cpu_inference above)
 from .triton_tiles import TILES as _TILES  # noqa: F401  (the Triton kernel's tiles per GPU; see cpu_inference above)
 from .validation import (

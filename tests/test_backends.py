@@ -21,11 +21,12 @@ from parity import check_parity, inflate_weights, max_abs_diff, padded_batch, un
 
 import disentangled
 from disentangled.modeling import (
+    blocks,
     cpu_inference,
+    cpu_training,
     disentangled_attention,
     dispatch,
     native,
-    sdpa_attention,
     workspace,
 )
 
@@ -87,7 +88,7 @@ P2C_BUFFER = {"kernel": "p2c table", "pytorch": "band table"}
 
 @pytest.fixture(autouse=True)
 def small_sdpa_blocks(monkeypatch):
-    monkeypatch.setattr(sdpa_attention, "SDPA_BLOCK_ELEMENTS", 3 * 4 * 40 * 7)  # 7 query rows per block
+    monkeypatch.setattr(blocks, "SDPA_BLOCK_ELEMENTS", 3 * 4 * 40 * 7)  # 7 query rows per block
     monkeypatch.setattr(cpu_inference, "DISTANCE_BLOCK_ELEMENTS", 3 * 4 * 40 * 7)
     monkeypatch.setattr(cpu_inference, "DISTANCE_MIN_ROWS", 1)
 
@@ -101,10 +102,10 @@ def test_sdpa_matches_eager_outputs_and_gradients(variant):
 @pytest.mark.parametrize("variant", ["v3", "c2p-only", "p2c-only"])
 def test_sdpa_training_with_banded_tables_matches_eager(monkeypatch, variant):
     """At v3's buckets, 128 tokens and a batch of five, CPU training's kernel bands its tables by default
-    (`sdpa_attention.BAND_MOST`, `BAND_SEQUENCES`): the model's outputs and gradients still match eager's."""
+    (`cpu_training.BAND_MOST`, `BAND_SEQUENCES`): the model's outputs and gradients still match eager's."""
     if not native.available():
         pytest.skip(f"the kernel does not run here: {native.why_unavailable()}")
-    monkeypatch.setattr(sdpa_attention, "SDPA_BLOCK_ELEMENTS", 1 << 21)  # the default blocks: groups of five
+    monkeypatch.setattr(blocks, "SDPA_BLOCK_ELEMENTS", 1 << 21)  # the default blocks: groups of five
     bands = []
     kernel = native.hankel_bias
     monkeypatch.setattr(native, "hankel_bias", lambda *args: bands.append(args[5]) or kernel(*args))
@@ -553,7 +554,7 @@ def reference_attention(
     and the dense Hankel index: [B, L, H, D]."""
     length = query.shape[-2]
     c2p, p2c = query @ pos_key.mT, key @ pos_query.mT
-    index = sdpa_attention._hankel(positions, 0, length, length)  # column of (i, j'), keys reversed
+    index = blocks._hankel(positions, 0, length, length)  # column of (i, j'), keys reversed
     c2p_bias = c2p.gather(-1, index.expand(*c2p.shape[:2], length, length))
     p2c_bias = p2c.mT.gather(-2, index.expand(*p2c.shape[:2], length, length))
     scores = (query * scaling) @ key.mT + c2p_bias + p2c_bias
@@ -572,7 +573,7 @@ def test_blocked_attention_gradients_with_dropout(block_elements):
 
     def attention(*inputs):
         torch.manual_seed(1)
-        return sdpa_attention.BlockedAttention.apply(*inputs, keep, positions, 0.3, 0.25, block_elements, False)
+        return cpu_training.BlockedAttention.apply(*inputs, keep, positions, 0.3, 0.25, block_elements, False)
 
     assert torch.autograd.gradcheck(attention, tuple(tensors), eps=1e-6, atol=1e-5)
 
@@ -610,14 +611,14 @@ def test_blocked_attention_matches_the_dense_formula(monkeypatch, kernel, length
     block_elements = 2 * 3 * length * (7 if length == 20 else 20)
     for dropout in (0.0, 0.2):
         torch.manual_seed(3)
-        actual = sdpa_attention.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, block_elements, kernel)
+        actual = cpu_training.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, block_elements, kernel)
         dropout_keep = None
         if dropout:  # the same draws: one mask over the whole [B, H, L, L] when one block holds it all
             torch.manual_seed(3)
-            dropout_keep = sdpa_attention.dropout_keep_mask((2, 3, length, length), dropout, "cpu")
+            dropout_keep = cpu_training.dropout_keep_mask((2, 3, length, length), dropout, "cpu")
             torch.manual_seed(3)
             whole = 2 * 3 * length * length
-            actual = sdpa_attention.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, whole, kernel)
+            actual = cpu_training.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, whole, kernel)
         assert_matches_the_dense_formula(actual, tensors, keep, positions, dropout_keep, dropout)
     assert {"hankel_bias", "hankel_bias_backward"} == set(calls) if kernel else not calls
 
@@ -632,26 +633,26 @@ def test_blocked_attention_with_banded_tables_matches_the_dense_formula(monkeypa
     bands = []
     kernel = native.hankel_bias
     monkeypatch.setattr(native, "hankel_bias", lambda *args: bands.append(args[5]) or kernel(*args))
-    monkeypatch.setattr(sdpa_attention, "BAND_LINES", lines)
-    monkeypatch.setattr(sdpa_attention, "BAND_MOST", 1.0)
-    monkeypatch.setattr(sdpa_attention, "BAND_SEQUENCES", 1)
-    scratch = sdpa_attention._scratch  # every buffer NaN when handed out: nothing may read what it did not write
-    monkeypatch.setattr(sdpa_attention, "_scratch", lambda *args: scratch(*args).fill_(float("nan")))
+    monkeypatch.setattr(cpu_training, "BAND_LINES", lines)
+    monkeypatch.setattr(cpu_training, "BAND_MOST", 1.0)
+    monkeypatch.setattr(cpu_training, "BAND_SEQUENCES", 1)
+    scratch = cpu_training._scratch  # every buffer NaN when handed out: nothing may read what it did not write
+    monkeypatch.setattr(cpu_training, "_scratch", lambda *args: scratch(*args).fill_(float("nan")))
     *tensors, keep, positions = blocked_attention_inputs(torch.float32, length=length, batch=batch, buckets=64)
     group = 2 if block_rows == length else 1  # sequences per group: 2, 2 and 1 of 5; or one each, in 4 blocks
     block_elements = group * 3 * length * block_rows
     for dropout in (0.0, 0.2):
         torch.manual_seed(3)
-        actual = sdpa_attention.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, block_elements, True)
+        actual = cpu_training.BlockedAttention.apply(*tensors, keep, positions, 0.3, dropout, block_elements, True)
         dropout_keep = None
         if dropout:  # the same draws: each block draws its own mask, in the blocks' order
             torch.manual_seed(3)
             dropout_keep = torch.empty(batch, 3, length, length, dtype=torch.bool)
-            for sequences, first, last in sdpa_attention._tiles(tensors[0], block_elements):
+            for sequences, first, last in blocks._tiles(tensors[0], block_elements):
                 shape = (sequences.stop - sequences.start, 3, last - first, length)
-                dropout_keep[sequences, :, first:last] = sdpa_attention.dropout_keep_mask(shape, dropout, "cpu")
+                dropout_keep[sequences, :, first:last] = cpu_training.dropout_keep_mask(shape, dropout, "cpu")
         assert_matches_the_dense_formula(actual, tensors, keep, positions, dropout_keep, dropout)
-    band = sdpa_attention._band_width(positions)
+    band = cpu_training._band_width(positions)
     assert band is not None and band < positions.width and {"hankel_bias", "hankel_bias_backward"} == set(calls)
     assert bands and all(b is not None and b.lines == lines for b in bands)
     assert any(int(b.c2p_first.max()) > 0 for b in bands)  # the bands do move along the table
@@ -670,10 +671,10 @@ def test_dropout_keep_mask_keeps_each_entry_with_the_keep_probability(switch, mo
     monkeypatch.setattr(native, "keep_mask", lambda *args: calls.append(1) or function(*args))
     torch.manual_seed(0)
     shape = (3, 5, 257, 263)  # an odd entry count: the last draw is used in part
-    keep = sdpa_attention.dropout_keep_mask(shape, dropout, "cpu")
+    keep = cpu_training.dropout_keep_mask(shape, dropout, "cpu")
     assert keep.shape == shape and keep.dtype == torch.bool
-    expected = round((1 - dropout) * 2**sdpa_attention.DROPOUT_BITS) / 2**sdpa_attention.DROPOUT_BITS
-    assert abs(expected - (1 - dropout)) <= 2**-sdpa_attention.DROPOUT_BITS
+    expected = round((1 - dropout) * 2**cpu_training.DROPOUT_BITS) / 2**cpu_training.DROPOUT_BITS
+    assert abs(expected - (1 - dropout)) <= 2**-cpu_training.DROPOUT_BITS
     flat = keep.flatten()[: keep.numel() // 4 * 4].view(-1, 4).double()
     for fraction, count in [(keep.double().mean(), keep.numel())] + [(lane.mean(), len(lane)) for lane in flat.T]:
         assert abs(fraction - expected) <= 5 * math.sqrt(expected * (1 - expected) / count), (fraction, expected)
@@ -681,9 +682,9 @@ def test_dropout_keep_mask_keeps_each_entry_with_the_keep_probability(switch, mo
     bound = 5 * expected * (1 - expected) / math.sqrt(keep.numel())  # 5 standard deviations of a product's mean
     for lag in (1, 4, 263):  # the next entry, the next draw's same lane, the next row
         assert abs((centred[:-lag] * centred[lag:]).mean()) <= bound, lag
-    assert not torch.equal(keep, sdpa_attention.dropout_keep_mask(shape, dropout, "cpu"))
+    assert not torch.equal(keep, cpu_training.dropout_keep_mask(shape, dropout, "cpu"))
     torch.manual_seed(0)
-    assert torch.equal(keep, sdpa_attention.dropout_keep_mask(shape, dropout, "cpu"))
+    assert torch.equal(keep, cpu_training.dropout_keep_mask(shape, dropout, "cpu"))
     assert len(calls) == (3 if kernel else 0)
 
 
@@ -717,7 +718,7 @@ def test_blocked_attention_in_bfloat16_with_dropout(monkeypatch, kernel, seed):
     for inputs in (tensors, low):
         torch.manual_seed(seed)
         with dispatch.switched(DROPOUT_KERNEL=kernel):
-            context = sdpa_attention.BlockedAttention.apply(*inputs, keep, positions, 0.3, 0.2, 2 * 3 * 20 * 7, kernel)
+            context = cpu_training.BlockedAttention.apply(*inputs, keep, positions, 0.3, 0.2, 2 * 3 * 20 * 7, kernel)
         grads = torch.autograd.grad(context.float().square().sum(), inputs)
         results.append((context, grads))
     (context, grads), (low_context, low_grads) = results

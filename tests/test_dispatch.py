@@ -13,7 +13,15 @@ import torch
 from parity import inflate_weights, padded_batch
 
 import disentangled
-from disentangled.modeling import dispatch, flex_attention, modeling_disentangled, native, sdpa_attention
+from disentangled.modeling import (
+    cpu_inference,
+    cpu_training,
+    dispatch,
+    flex_attention,
+    modeling_disentangled,
+    native,
+    sdpa_attention,
+)
 from disentangled.modeling.disentangled_attention import PositionScores, RelativePositions, _warned
 
 V3_CALL = dict(device="cpu", dtype=torch.float32, head_size=64, length=512, heads=12, mask="keys", width=511)
@@ -186,10 +194,11 @@ def ran_paths(monkeypatch) -> tuple[list, list]:
     decide_ = modeling_disentangled.decide
     monkeypatch.setattr(modeling_disentangled, "decide", lambda call: decisions.append(decide_(call)) or decisions[-1])
     monkeypatch.setattr(sdpa_attention, "decide", lambda call: pytest.fail("the backend decided the call again"))
-    by_distance, blocked, apply = (
-        sdpa_attention._attend_by_distance,
+    by_distance, fused, blocked, apply = (
+        cpu_inference._attend_by_distance,
+        cpu_inference._attend_fused,
         sdpa_attention.blocked_attention,
-        sdpa_attention.BlockedAttention.apply,
+        cpu_training.BlockedAttention.apply,
     )
 
     def distance(*args, path, **kwargs):
@@ -200,9 +209,10 @@ def ran_paths(monkeypatch) -> tuple[list, list]:
         ran.append("cpu-training-kernel" if args[-1] else "cpu-training")
         return apply(*args)
 
-    monkeypatch.setattr(sdpa_attention, "_attend_by_distance", distance)
+    monkeypatch.setattr(cpu_inference, "_attend_by_distance", distance)
+    monkeypatch.setattr(cpu_inference, "_attend_fused", lambda *a: ran.append("cpu-fused") or fused(*a))
     monkeypatch.setattr(sdpa_attention, "blocked_attention", lambda *a: ran.append("sdpa-blocked") or blocked(*a))
-    monkeypatch.setattr(sdpa_attention.BlockedAttention, "apply", training)
+    monkeypatch.setattr(cpu_training.BlockedAttention, "apply", training)
     return decisions, ran
 
 

@@ -20,7 +20,7 @@ from emd_reference import Spec, emd_states, layer_norm, mlm_logits, prefixed
 from parity import gradient_mismatches, inflate_weights, max_abs_diff, padded_batch
 
 import disentangled
-from disentangled.modeling import cpu_inference, sdpa_attention
+from disentangled.modeling import blocks, cpu_inference
 
 BASE = dict(
     vocab_size=200,
@@ -200,7 +200,7 @@ def test_gradient_checkpointing_keeps_emd_gradients():
 def test_backends_match_eager_with_a_separate_query_stream(monkeypatch, switch, config_name):
     """The query stream reaches every backend as projected queries: sdpa (several query blocks, and the blocked
     autograd path on the CPU with gradients) and flex's score_mod must match eager."""
-    monkeypatch.setattr(sdpa_attention, "SDPA_BLOCK_ELEMENTS", 2 * 4 * 40 * 7)  # 7 query rows per block
+    monkeypatch.setattr(blocks, "SDPA_BLOCK_ELEMENTS", 2 * 4 * 40 * 7)  # 7 query rows per block
     monkeypatch.setattr(cpu_inference, "DISTANCE_BLOCK_ELEMENTS", 2 * 4 * 40 * 7)
     monkeypatch.setattr(cpu_inference, "DISTANCE_MIN_ROWS", 1)
     switch(FLEX_COMPILED=False)  # flex's dense reference of the same score_mod

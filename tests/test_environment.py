@@ -13,7 +13,7 @@ import torch
 
 from benchmarks.records import append_record, read_records
 from disentangled import cli, environment
-from disentangled.modeling import native, sdpa_attention
+from disentangled.modeling import cpu_inference, cpu_training, native, sdpa_attention
 from disentangled.modeling.disentangled_attention import PositionScores, RelativePositions, head_scaling
 
 CPU = [{"device": "cpu"}]
@@ -28,17 +28,19 @@ def path_taken(monkeypatch, dtype: torch.dtype, training: bool, p2p: bool = Fals
     """The path a DeBERTa-v3-base attention call of `REPORTED_CALL`'s kind (12 heads of 64, 512 tokens, a key mask,
     c2p + p2c, 256 log buckets; dropout 0.1 in training) takes, seen at the functions each path runs."""
     ran = []
-    by_distance, blocked, apply = (
-        sdpa_attention._attend_by_distance,
+    by_distance, fused, blocked, apply = (
+        cpu_inference._attend_by_distance,
+        cpu_inference._attend_fused,
         sdpa_attention.blocked_attention,
-        sdpa_attention.BlockedAttention.apply,
+        cpu_training.BlockedAttention.apply,
     )
     monkeypatch.setattr(
-        sdpa_attention, "_attend_by_distance", lambda *a, path, **k: ran.append(path) or by_distance(*a, path=path, **k)
+        cpu_inference, "_attend_by_distance", lambda *a, path, **k: ran.append(path) or by_distance(*a, path=path, **k)
     )
+    monkeypatch.setattr(cpu_inference, "_attend_fused", lambda *a: ran.append("cpu-fused") or fused(*a))
     monkeypatch.setattr(sdpa_attention, "blocked_attention", lambda *a: ran.append("sdpa-blocked") or blocked(*a))
     monkeypatch.setattr(
-        sdpa_attention.BlockedAttention,
+        cpu_training.BlockedAttention,
         "apply",
         lambda *a: ran.append("cpu-training-kernel" if a[-1] else "cpu-training") or apply(*a),
     )

@@ -18,7 +18,7 @@ import torch
 from parity import inflate_weights, max_abs_diff, padded_batch
 
 import disentangled
-from disentangled.modeling import cpu_inference, dispatch, native, sdpa_attention
+from disentangled.modeling import blocks, cpu_inference, dispatch, native
 from disentangled.modeling.disentangled_attention import RelativePositions
 from disentangled.modeling.workspace import int32_column
 
@@ -208,7 +208,7 @@ def test_buckets_that_step_by_two_columns_take_the_pytorch_path(monkeypatch):
 
 # CPU training's kernels (`native.hankel_bias`, `native.hankel_bias_backward`): the keys reversed, a block of rows
 # "steps-by-two": 16 distances over more than 16 columns; "v3-128": v3's buckets at 128 tokens, where CPU training
-# bands its tables (`sdpa_attention.BAND_MOST`)
+# bands its tables (`cpu_training.BAND_MOST`)
 HANKEL_POSITIONS = POSITIONS | {"steps-by-two": (300, 256, 256, 300), "v3-128": (128, 256, 256, 512)}
 
 
@@ -231,7 +231,7 @@ def hankel_reference(positions, c2p, p2c, first, rows, grad=None):
     """The formula with PyTorch's gather and scatter_add along the Hankel index column[first + a + b], in float32:
     the bias, or, given dS, the two tables' gradients."""
     length = positions.length
-    index = sdpa_attention._hankel(positions, first, rows, length)
+    index = blocks._hankel(positions, first, rows, length)
     index = index.expand(*(c2p if c2p is not None else p2c).shape[:2], rows, length)
     if grad is None:
         bias = torch.zeros(index.shape)
@@ -273,7 +273,7 @@ def test_training_kernels_match_gather_and_scatter_add(setting, dtype, terms):
             native.hankel_bias_backward(grad, got_c2p, got_p2c, column, tiled, add_p2c=False)
             if got_p2c is not None:  # a second block of the group adds to p2c's gradient
                 native.hankel_bias_backward(grad, None, got_p2c, column, tiled, add_p2c=True)
-            index = sdpa_attention._hankel(positions, first, rows, length).expand_as(grad)
+            index = blocks._hankel(positions, first, rows, length).expand_as(grad)
             for got, want, dim, calls in [(got_c2p, want_c2p, -1, 1), (got_p2c, want_p2c, -2, 2)]:
                 if got is None:
                     continue
@@ -497,7 +497,7 @@ def test_model_training_with_the_kernel_matches_eager_and_the_pytorch_path(monke
     sdpa = copy.deepcopy(reference)
     sdpa.set_attn_implementation("sdpa")
     batch = padded_batch(100, [300, 211])
-    monkeypatch.setattr(sdpa_attention, "SDPA_BLOCK_ELEMENTS", 4 * 300 * 64)
+    monkeypatch.setattr(blocks, "SDPA_BLOCK_ELEMENTS", 4 * 300 * 64)
     calls = []
     kernel = native.hankel_bias_backward
     monkeypatch.setattr(native, "hankel_bias_backward", lambda *args: calls.append(args[4]) or kernel(*args))

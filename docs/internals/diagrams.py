@@ -98,18 +98,20 @@ CALL = Diagram(
                 ],
                 [
                     Box("eager", "disentangled_attention.py", ["eager: the reference,", "a dense [B, H, L, L] bias"]),
-                    Box("sdpa", "sdpa_attention.py", ["sdpa, the default: the bias", "by blocks of query rows"]),
+                    Box("sdpa", "sdpa_attention.py", ["sdpa, the default: the bias", "by blocks of rows (blocks.py)"]),
                     Box("flex", "flex_attention.py", ["flex_attention: a", "score_mod over the tables"]),
                 ],
                 [
-                    Box("cpu", "cpu_inference.py", ["CPU inference: the bias", "by distance, in blocks"]),
-                    Box("native", "native.py", ["the compiled CPU kernels", "of `position_bias.c`"]),
-                    Box("triton", "triton_attention.py", ["CUDA: the fused Triton", "kernel and its launches"]),
+                    Box("cpu", "cpu_inference.py", ["CPU inference: fused,", "bias kernel, distance"]),
+                    Box("training", "cpu_training.py", ["CPU training: its", "own backward"]),
+                    Box("triton", "triton_attention.py", ["CUDA: the fused", "Triton kernel"]),
+                    Box("onnx", "onnx_fused.py", ["ONNX export:", "ORT's attention"]),
                 ],
                 [
-                    Box("workspace", "workspace.py", ["buffers the blocked paths reuse"]),
-                    Box("tiles", "triton_tiles.py", ["the kernel's tiles per GPU:", "the table, tuned profiles"]),
-                    Box("check", "kernel_check.py", ["its self-check on the", "first call of each kind"]),
+                    Box("native", "native.py", ["the compiled CPU", "kernels"]),
+                    Box("workspace", "workspace.py", ["buffers the CPU", "paths reuse"]),
+                    Box("tiles", "triton_tiles.py", ["the kernel's tiles", "per GPU"]),
+                    Box("check", "kernel_check.py", ["its self-check on", "first use"]),
                 ],
             ],
             folder="modeling/",
@@ -124,13 +126,15 @@ CALL = Diagram(
         ("dispatch", "sdpa", "sdpa"),
         ("dispatch", "flex", "flex_attention"),
         ("sdpa", "cpu", "CPU, inference"),
-        ("sdpa", "native", "CPU, training"),
+        ("sdpa", "training", "CPU, training"),
         ("sdpa", "triton", "CUDA"),
+        ("sdpa", "onnx", "ONNX export"),
         ("cpu", "native", ""),
+        ("training", "native", ""),
         ("cpu", "workspace", ""),
         ("triton", "tiles", ""),
         ("triton", "check", ""),
-        ("sdpa", "decide", ""),  # sdpa asks it on every call: said in the page's text, no label to crowd the row
+        ("attention", "decide", ""),  # the layer asks it once per call: said in the page's text, no label
     ],
 )
 
