@@ -16,27 +16,16 @@ import torch
 import transformers
 from deberta_shapes import V3_COMMON
 from parity import inflate_weights
-from tiny_models import spm_model, tokenizer
+from tiny_models import TINY_SIZES, spm_model, tokenizer
 
 from disentangled.integrations.tokenization import SPM_TOKENIZER_CONFIG
 
 # deberta-v3's attention fields (deberta_shapes.V3_COMMON) at a tiny size; 16 buckets so that a sentence already
 # reaches the log buckets
-V3 = dict(
-    V3_COMMON,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=64,
-    max_position_embeddings=128,
-    position_buckets=16,
-)
+V3 = dict(V3_COMMON, **TINY_SIZES, max_position_embeddings=128, position_buckets=16)
 # deberta-base's (v1): no buckets, separate position projections, absolute positions added to the input
 V1 = dict(
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=64,
+    TINY_SIZES,
     max_position_embeddings=128,
     relative_attention=True,
     max_relative_positions=12,

@@ -18,7 +18,7 @@ import torch
 import transformers
 from deberta_shapes import V3_COMMON
 from test_documented_commands import read_blocks
-from tiny_models import spm_model
+from tiny_models import TINY_SIZES, spm_model
 
 from benchmarks import accelerate, report
 from benchmarks.records import append_record, read_records
@@ -150,14 +150,7 @@ def test_report_renders_the_table_from_a_record(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # The page's blocks that load Hub models: tiny local models saved under those names, each block in a fresh process
 
-TINY = dict(  # deberta-v3's attention fields at a tiny size
-    V3_COMMON,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=64,
-    position_buckets=32,
-)
+TINY = dict(V3_COMMON, **TINY_SIZES, position_buckets=32)  # deberta-v3's attention fields at a tiny size
 GLINER_SCRIPT = """
 import sys
 from gliner import GLiNER, GLiNERConfig

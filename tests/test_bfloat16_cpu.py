@@ -12,6 +12,7 @@ import copy
 import warnings
 
 import pytest
+import tiny_models
 import torch
 from parity import inflate_weights, max_abs_diff, packed_inputs, padded_batch
 
@@ -19,17 +20,7 @@ import disentangled
 from disentangled.modeling import cpu_inference, native
 from disentangled.modeling.disentangled_attention import _by_head
 
-TINY = dict(
-    vocab_size=100,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=64,
-    position_buckets=16,
-    max_relative_positions=64,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-)
+TINY = dict(tiny_models.TINY, vocab_size=100, position_buckets=16, max_relative_positions=64)
 VARIANTS = {
     "v3": {},
     "clipped-distances": dict(position_buckets=-1, max_relative_positions=8),

@@ -7,6 +7,7 @@ the code generator); one slow test runs inductor end to end."""
 from __future__ import annotations
 
 import pytest
+import tiny_models
 import torch
 from parity import inflate_weights, padded_batch
 from robustness import BACKENDS, dense_flex, skip_unless_supported, with_backend
@@ -23,13 +24,10 @@ def _dense_flex():
 
 # Everything on: three position terms, log buckets (8 per side), absolute positions, token types, conv, projections.
 CONFIG = dict(
+    tiny_models.TINY,
     vocab_size=64,
-    hidden_size=32,
     num_hidden_layers=1,  # tracing time grows with depth; one layer exercises every path
-    num_attention_heads=4,
     intermediate_size=48,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
     position_buckets=8,
     max_relative_positions=32,
     pos_att_type="c2p|p2c|p2p",

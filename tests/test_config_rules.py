@@ -4,6 +4,7 @@ are checked when a model is built; a transformers DeBERTa-v2 folder loads as wha
 from __future__ import annotations
 
 import pytest
+import tiny_models
 import torch
 import transformers
 from transformers.testing_utils import CaptureLogger
@@ -11,15 +12,7 @@ from transformers.testing_utils import CaptureLogger
 import disentangled
 from disentangled import DisentangledConfig
 
-TINY = dict(
-    vocab_size=99,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=37,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-)
+TINY = dict(tiny_models.TINY, vocab_size=99, intermediate_size=37)
 
 
 @pytest.mark.parametrize("spelling", ["None", "none", " NONE ", None, [], ["none"], ("None",), "none|none"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import tiny_models
 import torch
 from emd_reference import Spec, emd_states, layer_norm, mlm_logits, prefixed
 from parity import gradient_mismatches, inflate_weights, max_abs_diff, padded_batch
@@ -22,17 +23,7 @@ from parity import gradient_mismatches, inflate_weights, max_abs_diff, padded_ba
 import disentangled
 from disentangled.modeling import blocks, cpu_inference
 
-BASE = dict(
-    vocab_size=200,
-    hidden_size=32,
-    num_attention_heads=4,
-    intermediate_size=64,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-    legacy=False,
-    enhanced_mask_decoder=True,
-    position_biased_input=False,
-)
+BASE = dict(tiny_models.TINY, vocab_size=200, legacy=False, enhanced_mask_decoder=True, position_biased_input=False)
 V3 = dict(  # deberta-v3: log buckets, shared keys, normalised relative embeddings
     relative_attention=True,
     position_buckets=256,

@@ -8,6 +8,7 @@ import math
 import re
 
 import pytest
+import tiny_models
 import torch
 from attention_capture import eager_scores
 from deberta_shapes import V1_SHAPES, V2_SHAPES
@@ -20,15 +21,7 @@ from disentangled.cli import main
 from disentangled.explain import explain_attention
 from disentangled.explain.terms import STATISTICS
 
-SMALL = dict(
-    vocab_size=128,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=64,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-)
+SMALL = dict(tiny_models.TINY, vocab_size=128)
 V3 = dict(V2_SHAPES["deberta-v3-xsmall"], **SMALL, position_buckets=8, max_relative_positions=32)
 CONFIGS = {
     "v3": V3,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import tiny_models
 import torch
 import transformers
 from checkpointing import NO_OLD_NAMES, enable_checkpointing
@@ -13,16 +14,7 @@ import disentangled
 from disentangled import DisentangledConfig
 
 TINY = dict(
-    V2_SHAPES["deberta-v3-xsmall"],
-    vocab_size=128,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=64,
-    position_buckets=8,
-    max_relative_positions=32,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
+    V2_SHAPES["deberta-v3-xsmall"], **tiny_models.TINY, vocab_size=128, position_buckets=8, max_relative_positions=32
 )
 AUTO_HEADS = {
     transformers.AutoModel: disentangled.DisentangledModel,

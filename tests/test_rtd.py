@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+import tiny_models
 import torch
 import transformers
 from emd_reference import prefixed, rtd_logits
@@ -24,17 +25,7 @@ from tiny_models import export_remote_code, save_tiny, tokenizer
 import disentangled
 
 HERE = Path(__file__).resolve().parent
-V3 = dict(
-    vocab_size=200,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=64,
-    position_buckets=256,
-    max_position_embeddings=512,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-)
+V3 = dict(tiny_models.TINY, vocab_size=200, position_buckets=256, max_position_embeddings=512)
 CONFIGS = {
     "v3 (log buckets, shared keys)": V3,
     "v1 (clipped distances, separate projections)": dict(

@@ -1,6 +1,7 @@
 """Tiny models with a SentencePiece tokenizer, saved as folders the ecosystem tests load like Hub checkpoints.
 
-`save_tiny` writes a model in our format (loaded through the installed package); `export_remote_code` turns such a
+`TINY` is the tests' model size (hidden 32, 2 layers, 4 heads, no dropout): every test file builds its config from it
+(or from `TINY_SIZES` where dropout stays on), overriding only what it tests. `save_tiny` writes a model in our format (loaded through the installed package); `export_remote_code` turns such a
 folder into a flat remote-code folder (config.json `auto_map` + the bundled code) that loads with
 `trust_remote_code=True`.
 """
@@ -19,17 +20,9 @@ from disentangled import DisentangledConfig
 from disentangled.conversion.bundle import auto_map, write_bundle
 from disentangled.integrations.tokenization import SPM_TOKENIZER_CONFIG, tokenizer_from_spm
 
-TINY_CONFIG = dict(
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=64,
-    max_position_embeddings=256,
-    position_buckets=32,
-    max_relative_positions=128,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-)
+TINY_SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+TINY = dict(TINY_SIZES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+TINY_CONFIG = dict(TINY, max_position_embeddings=256, position_buckets=32, max_relative_positions=128)
 
 
 @functools.cache
