@@ -108,7 +108,7 @@ CALL = Diagram(
                     Box("onnx", "onnx_fused.py", ["ONNX export:", "ORT's attention"]),
                 ],
                 [
-                    Box("native", "native.py", ["the compiled CPU", "kernels"]),
+                    Box("native", "native.py", ["the CPU kernels", "of `position_bias.c`"]),
                     Box("workspace", "workspace.py", ["buffers the CPU", "paths reuse"]),
                     Box("tiles", "triton_tiles.py", ["the kernel's tiles", "per GPU"]),
                     Box("check", "kernel_check.py", ["its self-check on", "first use"]),
