@@ -140,10 +140,11 @@ def upstream_failures() -> dict[str, str]:
     return skips
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture(autouse=True)
 def task_names_for_the_mixin():
     """The mixin picks labels and inputs by class name from transformers' task tables (MODEL_FOR_..._MAPPING_NAMES),
-    where a model of transformers itself is listed; list ours there, as registered with the Auto classes."""
+    where a model of transformers itself is listed; list ours there, as registered with the Auto classes (per test,
+    which costs nothing, so that the suite's tests spread over pytest's processes: tests/conftest.py)."""
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_warning()  # the suite reads transformers' warnings (conftest quiets them)
     added = []

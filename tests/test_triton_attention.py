@@ -54,6 +54,7 @@ in_interpreter = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow  # every kernel test of this file, interpreted
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreter's process")
 def test_kernels_in_the_interpreter():
     """Every test of this file in one child pytest whose triton is the interpreter's; its report on failure."""
