@@ -216,7 +216,7 @@ def _attend_by_distance(
                 above, below = max(0, block_high - near_high + 1), max(0, near_low - block_low + 1)
                 columns = _round_up(count - above - below)
                 width = _round_up(max(count, above + columns))
-                product = _scratch(positions, "c2p", (heads, members * shape[0], width), query)
+                product = _scratch(positions.workspace, "c2p", (heads, members * shape[0], width), query)
                 offset = high - block_high + above  # Kr's row of distance block_high - above
                 within = kr_descending[:, offset : offset + columns]
                 _by_head(group_query[:, :, rows], within, out=product[..., above : above + columns])
@@ -231,7 +231,7 @@ def _attend_by_distance(
                 table = _band_table(positions, group_key, qr_ascending, low, (rows, keys), padded_keys)
                 parts = _band_views(table, shape[0])
                 bias_shape = (sequences.stop - sequences.start, heads, *shape)
-                bias = _add_by_key_chunks(bias, parts, _scratch(positions, "bias", bias_shape, query))
+                bias = _add_by_key_chunks(bias, parts, _scratch(positions.workspace, "bias", bias_shape, query))
             if group_mask is not None and not masked_in_bias:
                 bias = bias.masked_fill(~_block_mask(group_mask, slice(None), rows.start, rows.stop)[..., keys], lowest)
             block_query = group_query[:, :, rows]
@@ -296,7 +296,7 @@ def _attend_fused(
         span = _unpadded_span(group_mask, length) if group_mask is not None else slice(0, length)
         keep = group_mask[:, 0, 0, span].to(torch.uint8) if group_mask is not None else None
         workspace = _scratch(
-            positions, "attend", (native.workspace_bytes(span.stop - span.start, kernel.width),), _BYTES
+            positions.workspace, "attend", (native.workspace_bytes(span.stop - span.start, kernel.width),), _BYTES
         )
         native.attend(
             context[sequences],
@@ -336,7 +336,7 @@ class _KernelTables:
 
     def _product(self, positions: RelativePositions, kind: str, rows: Tensor, relative: Tensor) -> Tensor:
         groups, heads, count, _ = rows.shape
-        buffer = _scratch(positions, kind, (heads * groups * count * self.width + self.spare,), rows)
+        buffer = _scratch(positions.workspace, kind, (heads * groups * count * self.width + self.spare,), rows)
         return _by_head(rows, relative, out=buffer[: -self.spare].view(heads, groups * count, self.width))
 
     def p2c(self, positions: RelativePositions, key: Tensor, span: slice) -> Tensor | None:
@@ -351,7 +351,7 @@ class _KernelTables:
         """The block's bias [g, H, rows, keys]: T = q Krᵀ of its rows (one product), then the kernel; the keys that
         `keep` (uint8 [g | 1, L], or None) marks 0 hold the dtype's minimum."""
         shape = (query.shape[0], query.shape[1], rows.stop - rows.start, keys.stop - keys.start)
-        out = _scratch(positions, "bias", shape, query)
+        out = _scratch(positions.workspace, "bias", shape, query)
         if keys.start >= span.stop or keys.stop <= span.start:  # a band of padding only (keys the key mask drops)
             return out.fill_(torch.finfo(query.dtype).min)
         c2p = self._product(positions, "c2p", query[:, :, rows], self.pos_key) if self.pos_key is not None else None
@@ -417,7 +417,9 @@ def _band_table(
     (rows, keys), (groups, heads, _, _) = block, key.shape
     sizes = [min(BAND_TABLE_KEYS, keys.stop - first) for first in range(keys.start, keys.stop, BAND_TABLE_KEYS)]
     widths = [_round_up(rows.stop - rows.start + size - 1) for size in sizes]
-    buffer = _scratch(positions, "band table", (heads * groups * sum(map(math.prod, zip(sizes, widths))),), key)
+    buffer = _scratch(
+        positions.workspace, "band table", (heads * groups * sum(map(math.prod, zip(sizes, widths))),), key
+    )
     bands, offset, start = [], 0, keys.start
     for size, width in zip(sizes, widths):
         table = buffer[offset : offset + heads * groups * size * width].view(heads, groups, size, width)

@@ -217,7 +217,7 @@ def _position_rows(
     (laid out [H, g, n, W]: one product per head); with `fill` "zeros" or None, a zeroed or an unwritten buffer of
     that shape, for its gradient."""
     groups, heads, count, _ = content.shape
-    table = _scratch(positions, kind, (heads, groups * count, relative.shape[-2]), content)
+    table = _scratch(positions.workspace, kind, (heads, groups * count, relative.shape[-2]), content)
     if fill == "zeros":
         table.zero_()
     elif fill == "product":
@@ -269,7 +269,7 @@ def _lines(positions: RelativePositions, kind: str, content: Tensor) -> Tensor:
     buffer, zeros after the last line (one product per tile against its band)."""
     groups, heads, count, dim = content.shape
     tiles, whole = -(-count // BAND_LINES), count // BAND_LINES
-    packed = _scratch(positions, kind, (tiles, heads, groups, BAND_LINES, dim), content)
+    packed = _scratch(positions.workspace, kind, (tiles, heads, groups, BAND_LINES, dim), content)
     if whole:
         packed[:whole].permute(2, 1, 0, 3, 4).copy_(
             content[:, :, : whole * BAND_LINES].unflatten(2, (whole, BAND_LINES))
@@ -290,7 +290,7 @@ def _banded_rows(
     it with the tiles' first columns (`_band_first`)."""
     groups, heads, count, dim = content.shape
     firsts = _band_first(positions, first, count, band)
-    table = _scratch(positions, kind, (-(-count // BAND_LINES), heads, groups, BAND_LINES, band), content)
+    table = _scratch(positions.workspace, kind, (-(-count // BAND_LINES), heads, groups, BAND_LINES, band), content)
     if product:
         packed = _lines(positions, f"{kind} lines", content)
         for k, start in enumerate(firsts[0]):

@@ -419,10 +419,10 @@ class DisentangledIntermediate(nn.Module):
         self.intermediate_act_fn = ACT2FN[config.hidden_act]
         self.exact_gelu = config.hidden_act == "gelu"
 
-    def forward(self, hidden_states: Tensor, positions: RelativePositions | None = None) -> Tensor:
-        """`positions`: the forward's, whose workspace the product is written into where `DisentangledLayer` finds
-        that nothing can hold it (`_product_into_workspace`)."""
-        product = _product_into_workspace(self.dense, hidden_states, positions) if positions is not None else None
+    def forward(self, hidden_states: Tensor, workspace: dict | None = None) -> Tensor:
+        """`workspace`: the forward's buffers, which the product is written into where `DisentangledLayer` finds that
+        nothing can hold it (`_product_into_workspace`)."""
+        product = _product_into_workspace(self.dense, hidden_states, workspace) if workspace is not None else None
         hidden_states = self.dense(hidden_states) if product is None else product
         if self.exact_gelu and not hidden_states.requires_grad and self._nothing_sees_the_product():
             # the same GELU in place: the layer's largest activation is not allocated a second time (above 32 MiB,
@@ -436,7 +436,7 @@ class DisentangledIntermediate(nn.Module):
         return not hooked(self.dense) and not is_tracing()
 
 
-def _product_into_workspace(dense: nn.Module, hidden_states: Tensor, positions: RelativePositions) -> Tensor | None:
+def _product_into_workspace(dense: nn.Module, hidden_states: Tensor, workspace: dict) -> Tensor | None:
     """`dense(hidden_states)` written into the buffer "intermediate" of the forward's workspace, which every layer
     and later call reuses: the feed-forward's [tokens, intermediate] product, a tensor that above 32 MiB (2,731
     tokens of v3-base in float32) glibc maps afresh on every allocation, its pages faulting in as the product
@@ -453,7 +453,7 @@ def _product_into_workspace(dense: nn.Module, hidden_states: Tensor, positions: 
     ):
         return None
     flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-    product = _scratch(positions, "intermediate", (flat.shape[0], dense.out_features), flat)
+    product = _scratch(workspace, "intermediate", (flat.shape[0], dense.out_features), flat)
     if dense.bias is None:
         torch.mm(flat, dense.weight.t(), out=product)
     else:
@@ -500,7 +500,7 @@ class DisentangledLayer(GradientCheckpointingLayer):
         # can keep it
         into_workspace = rel_index is not None and not torch.is_grad_enabled()
         into_workspace = into_workspace and not hooked(*self.intermediate.modules(), *self.output.modules())
-        intermediate = self.intermediate(attention_output, rel_index if into_workspace else None)
+        intermediate = self.intermediate(attention_output, rel_index.workspace if into_workspace else None)
         return self.output(intermediate, attention_output), probs
 
 

@@ -50,19 +50,20 @@ def release_workspace(model: torch.nn.Module) -> None:
         held.pop(module, None)
 
 
-def _scratch(positions: RelativePositions, kind: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
-    """A contiguous tensor of `shape` from a buffer of the workspace that only grows (a fresh allocation above
-    glibc's mmap threshold costs page faults on every call; blocks, layers and later calls reuse this one)."""
+def _scratch(workspace: dict, kind: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """A contiguous tensor of `shape` from the buffer `kind` of `workspace` (`kept_workspace`'s, or a forward's own),
+    which only grows (a fresh allocation above glibc's mmap threshold costs page faults on every call; blocks, layers
+    and later calls reuse this one)."""
     count = math.prod(shape)
-    buffer = positions.workspace.get(kind)
+    buffer = workspace.get(kind)
     if (
         buffer is None
         or buffer.numel() < count
         or (buffer.dtype, buffer.device) != (like.dtype, like.device)
         or (buffer.is_inference() and not torch.is_inference_mode_enabled())  # no in-place writes outside it
     ):
-        buffer = positions.workspace[kind] = like.new_empty(count)
-        positions.workspace.pop(f"{kind} layout", None)  # what was written into the old buffer is not in this one
+        buffer = workspace[kind] = like.new_empty(count)
+        workspace.pop(f"{kind} layout", None)  # what was written into the old buffer is not in this one
     return buffer[:count].view(shape)
 
 
