@@ -13,6 +13,7 @@ import torch
 from parity import inflate_weights, padded_batch
 
 import disentangled
+from disentangled import environment
 from disentangled.modeling import (
     cpu_inference,
     cpu_training,
@@ -283,7 +284,8 @@ def test_one_decision_per_layer_call(monkeypatch, implementation):
 
 def test_an_onnx_export_writes_the_path_decided(monkeypatch):
     """Exported within each graph kind, every layer's decision names the graph that was written: MultiHeadAttention
-    nodes (onnx-fused), our operator's nodes (onnx-kernel) or neither (onnx-portable)."""
+    nodes (onnx-fused), our operator's nodes (onnx-kernel) or neither (onnx-portable); `disentangled env` reports
+    that path for an export of that kind."""
     pytest.importorskip("onnxscript")
     from disentangled.serving import onnx_attention, onnx_export
 
@@ -299,6 +301,8 @@ def test_an_onnx_export_writes_the_path_decided(monkeypatch):
         assert [decision.path for decision in decisions] == [f"onnx-{kind}"] * 2, kind
         assert onnx_export.multi_head_attention_nodes(graph) == (2 if kind == "fused" else 0)
         assert onnx_export.kernel_nodes(graph) == (2 if kind == "kernel" else 0)
+        (row,) = [row for row in environment.paths([{"device": "cpu"}]) if row["mode"] == f"onnx {kind}"]
+        assert row["path"] == decisions[0].path, kind
 
 
 def test_an_onnx_export_takes_the_graph_asked_for_or_says_why_not():

@@ -72,7 +72,7 @@ def test_the_report_names_the_path_each_kind_of_call_takes(monkeypatch, switch):
     rows = environment.paths(CPU)
     assert {(row["dtype"], row["mode"]) for row in rows} == {
         (dtype, mode) for dtype in ("float32", "bfloat16") for mode in ("inference", "training")
-    }
+    } | {("float32", f"onnx {graph}") for graph in ("fused", "kernel", "portable")}
     for dtype in (torch.float32, torch.bfloat16):
         for training in (False, True):
             name, mode = str(dtype).removeprefix("torch."), "training" if training else "inference"

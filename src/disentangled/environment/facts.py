@@ -176,7 +176,8 @@ def devices(found_gpus: list[dict]) -> list[dict]:
 
 def paths(on: list[dict], **facts) -> list[dict]:
     """The path `dispatch.decide` gives each kind of call (each device of `on`; float32, bfloat16 and, on a GPU,
-    float16; inference and training) for `REPORTED_CALL` updated with `facts`, with its reason."""
+    float16; inference and training; and on the CPU in float32, an ONNX export of each graph kind, whose mode is
+    "onnx KIND") for `REPORTED_CALL` updated with `facts`, with its reason."""
     from ..modeling import dispatch
     from ..modeling.disentangled_attention import RelativePositions
     from ..modeling.native import kernel_columns
@@ -186,26 +187,29 @@ def paths(on: list[dict], **facts) -> list[dict]:
     rows = []
     for device in on:
         dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if device["device"] != "cpu" else [])
-        for dtype in dtypes:
-            for training in (False, True):
-                call = dispatch.Call(
-                    **{**REPORTED_CALL, **reach, **facts},
-                    **device,
-                    dtype=dtype,
-                    gradients=training,
-                    dropout=0.1 if training else 0.0,
-                )
-                decision = dispatch.decide(call)
-                rows.append(
-                    {
-                        "device": device.get("gpu", device["device"]),
-                        "dtype": str(dtype).removeprefix("torch."),
-                        "mode": "training" if training else "inference",
-                        "path": decision.path,
-                        "reason": decision.reason,
-                        "not": [f"{path}: {why}" for path, why in decision.skipped],
-                    }
-                )
+        kinds = [(dtype, training, None) for dtype in dtypes for training in (False, True)]
+        if device["device"] == "cpu":
+            kinds += [(torch.float32, False, graph) for graph in dispatch.ONNX_GRAPHS]
+        for dtype, training, graph in kinds:
+            call = dispatch.Call(
+                **{**REPORTED_CALL, **reach, **facts},
+                **device,
+                dtype=dtype,
+                gradients=training,
+                dropout=0.1 if training else 0.0,
+                onnx=graph,
+            )
+            decision = dispatch.decide(call)
+            rows.append(
+                {
+                    "device": device.get("gpu", device["device"]),
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "mode": f"onnx {graph}" if graph else "training" if training else "inference",
+                    "path": decision.path,
+                    "reason": decision.reason,
+                    "not": [f"{path}: {why}" for path, why in decision.skipped],
+                }
+            )
     return rows
 
 
