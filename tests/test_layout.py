@@ -192,3 +192,16 @@ def test_the_rooms_picture_shows_the_serving_operator_s_files():
     serving = "src/disentangled/serving/"
     assert {serving + name for name in ("ort_attention.c", "ort_operator.py", "onnx_attention.py")} <= set(named)
     assert "position_bias.c" in " ".join(line for _, box in diagrams.boxes(diagrams.ROOMS) for line in box.lines)
+
+
+def test_the_reporting_page_lists_every_environment_variable_the_package_reads():
+    """The switches a user can set are all on docs/reporting.md's table, and the table names none that the code
+    does not read: every `DISENTANGLED_*` string of the product's sources against the table's first column."""
+    import re
+
+    sources = [path for folder in PACKAGES.values() for path in folder.glob("*.py")]
+    sources += [*(REPO / "modeling").glob("*.c"), *(REPO / "src" / "disentangled" / "serving").glob("*.c")]
+    read = {name for path in sources for name in re.findall(r"[\"'`](DISENTANGLED_[A-Z0-9_]+)", path.read_text())}
+    page = (REPO / "docs" / "reporting.md").read_text()
+    listed = set(re.findall(r"^\| `(DISENTANGLED_[A-Z0-9_]+)`", page, flags=re.MULTILINE))
+    assert len(read) >= 10 and read == listed, (sorted(read - listed), sorted(listed - read))
