@@ -191,7 +191,7 @@ def test_the_rooms_picture_shows_the_serving_operator_s_files():
     named = diagrams.named_files(diagrams.ROOMS)
     serving = "src/disentangled/serving/"
     assert {serving + name for name in ("ort_attention.c", "ort_operator.py", "onnx_attention.py")} <= set(named)
-    assert "position_bias.c" in " ".join(line for _, box in diagrams.boxes(diagrams.ROOMS) for line in box.lines)
+    assert "position_bias.h" in " ".join(line for _, box in diagrams.boxes(diagrams.ROOMS) for line in box.lines)
 
 
 def test_the_reporting_page_lists_every_environment_variable_the_package_reads():

@@ -157,6 +157,9 @@ ROOMS = Diagram(
             "src/disentangled/: one folder per job (each one a command of cli.py)",
             [
                 [
+                    Box("environment", "environment/", ["`facts.py`, `report.py`:", "disentangled env"], "folder"),
+                ],
+                [
                     Box(
                         "explain",
                         "explain/",
@@ -175,7 +178,8 @@ ROOMS = Diagram(
                             "`ort_attention.c`, the ONNX",
                             "Runtime operator, which",
                             "includes modeling/'s",
-                            "position_bias.c",
+                            "position_bias.h",
+                            "`prebuilt.py`: build-kernels",
                         ],
                         "folder",
                     ),
@@ -189,6 +193,7 @@ ROOMS = Diagram(
                             "`objectives.py`: RTD with GDES, MLM",
                             "`data.py`, `command.py`: disentangled pretrain",
                             "`sequence_draws.py`: any number of processes",
+                            "`memory.py`: training state per GPU",
                         ],
                         "folder",
                     ),
