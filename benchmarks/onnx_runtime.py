@@ -493,16 +493,7 @@ def main(argv: list[str] | None = None) -> dict:
     layers = args.layers or (1 if args.quick else 2)
     repeats = args.repeats or (1 if args.quick else 5)
     cases = CASES[:1] if args.quick else CASES
-    transformers.logging.set_verbosity_error()
-    import onnxruntime
-
-    report = {
-        "command": "python -m benchmarks.onnx_runtime " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": machine.describe(),
-        "versions": f"onnxruntime {onnxruntime.__version__}, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}",
-    }
-    print(report["machine"], flush=True)
+    report = start_report(argv)
     with tempfile.TemporaryDirectory() as temporary:
         folder = args.folder or Path(temporary)
         folder.mkdir(parents=True, exist_ok=True)
@@ -536,13 +527,8 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def main_per_request(args: argparse.Namespace, argv: list[str] | None) -> dict:
-    """`--per-request`: the serving latency of `latency`, its tables, and its record."""
-    cores = len(os.sched_getaffinity(0))
-    thread_counts = args.thread_counts or ([1] if args.quick else sorted({1, cores}))
-    layers = args.layers or (1 if args.quick else 12)
-    repeats = args.repeats or (1 if args.quick else 5)
-    cases = LATENCY_CASES[:1] if args.quick else LATENCY_CASES
+def start_report(argv: list[str] | None) -> dict:
+    """The command, the machine (printed) and the versions, which every report of this benchmark starts with."""
     transformers.logging.set_verbosity_error()
     import onnxruntime
 
@@ -553,6 +539,17 @@ def main_per_request(args: argparse.Namespace, argv: list[str] | None) -> dict:
         f"transformers {transformers.__version__}",
     }
     print(report["machine"], flush=True)
+    return report
+
+
+def main_per_request(args: argparse.Namespace, argv: list[str] | None) -> dict:
+    """`--per-request`: the serving latency of `latency`, its tables, and its record."""
+    cores = len(os.sched_getaffinity(0))
+    thread_counts = args.thread_counts or ([1] if args.quick else sorted({1, cores}))
+    layers = args.layers or (1 if args.quick else 12)
+    repeats = args.repeats or (1 if args.quick else 5)
+    cases = LATENCY_CASES[:1] if args.quick else LATENCY_CASES
+    report = start_report(argv)
     load = {"start": os.getloadavg()[0]}  # other work on the machine: it slows every path, unevenly
     with tempfile.TemporaryDirectory() as temporary:
         folder = args.folder or Path(temporary)
