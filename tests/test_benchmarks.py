@@ -97,7 +97,7 @@ def test_processor_names_the_model_and_its_vector_extensions(monkeypatch, tmp_pa
     cpuinfo.write_text("model name\t: Example Xeon\nflags\t\t: fpu sse avx2 avx512f avx512bw amx_int8 vme\n")
     real_open = open
     monkeypatch.setattr(
-        environment,  # `disentangled env` reads the processor; benchmarks.machine prints it
+        environment.gather,  # `disentangled env` reads the processor; benchmarks.machine prints it
         "open",
         lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path, *a, **k),
         raising=False,

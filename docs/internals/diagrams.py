@@ -157,7 +157,7 @@ ROOMS = Diagram(
             "src/disentangled/: one folder per job (each one a command of cli.py)",
             [
                 [
-                    Box("environment", "environment/", ["`facts.py`, `report.py`:", "disentangled env"], "folder"),
+                    Box("environment", "environment/", ["`gather.py`, `report.py`:", "disentangled env"], "folder"),
                 ],
                 [
                     Box(

@@ -3,12 +3,12 @@
     disentangled env            # or: python -m disentangled env
     disentangled env --json
 
-`facts.py` gathers the facts (versions, processor, the CPU kernels' library and where it comes from, GPUs and the
+`gather.py` gathers the facts (versions, processor, the CPU kernels' library and where it comes from, GPUs and the
 Triton tiles, switches, the self-check's verdicts, the attention path of each kind of call with its reason);
 `report.py` prints them. `benchmarks/records.py` writes `record_fields()` into every record.
 """
 
-from .facts import (
+from .gather import (
     EXTENSIONS,
     REPORTED_CALL,
     commit,

@@ -1,4 +1,5 @@
-"""`disentangled env` (`--json`): the facts of `facts.py`, printed as text to paste into a bug report, or as JSON."""
+"""`disentangled env` (`--json`): the facts `gather.py` gathers, printed as text to paste into a bug report, or
+as JSON."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import json
 import sys
 
-from .facts import facts
+from .gather import facts
 
 
 def render(found: dict) -> str:
