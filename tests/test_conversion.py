@@ -418,8 +418,10 @@ def test_wheel_ships_the_model_card_template(tmp_path):
         names = set(wheel.namelist())
     assert {"disentangled/modeling/modeling_disentangled.py", "disentangled/conversion/bundle.py"} <= names
     # the C sources the package compiles at run time: the CPU kernels and ONNX Runtime's operator around them
-    kernels = ["position_bias.c", "position_bias_avx512.h", "position_bias_avx2.h", "position_bias_neon.h"]
-    assert {f"disentangled/modeling/{name}" for name in kernels} <= names
+    from disentangled.modeling import native
+
+    kernels = [native.SOURCE.name, *(header.name for header in native.HEADERS)]
+    assert len(kernels) >= 6 and {f"disentangled/modeling/{name}" for name in kernels} <= names
     assert {"disentangled/serving/ort_attention.c", "disentangled/serving/ort_dispatch.c"} <= names
 
 
