@@ -122,16 +122,29 @@ def test_the_recipe_runs_with_onnx_runtime_alone(tmp_path, monkeypatch):
     assert ran.returncode == 0, ran.stderr
     assert "disentangled_attention" not in ran.stderr
     given = json.loads((serving / "inputs.json").read_text())
-    texts, query, passages = given["texts"], given["query"], given["passages"]
+    texts = given["texts"]
+    logits, scores, lines = pytorch_outputs(tokenizer, models, texts, given["query"], given["passages"])
+    served_logits, served_scores = np.load(serving / "logits.npy"), np.load(serving / "scores.npy")
+    print(f"classifier: {np.abs(served_logits - logits.numpy()).max():.1e}, reranker: "
+          f"{np.abs(served_scores - scores.numpy()).max():.1e} (ONNX Runtime alone vs PyTorch, max |diff|)")  # fmt: skip
+    np.testing.assert_allclose(served_logits, logits.numpy(), rtol=0, atol=TOLERANCE)
+    assert models["classifier"].config.id2label == {0: "negative", 1: "positive"}
+    for line in lines[: len(texts)]:  # the classifier's lines (label, probability, text)
+        assert line in ran.stdout
+    np.testing.assert_allclose(served_scores, scores.numpy(), rtol=0, atol=TOLERANCE)
+
+
+def pytorch_outputs(tokenizer, models, texts, query, passages) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """The PyTorch models' logits and scores on a recipe's texts, and the lines a serving recipe prints: the
+    classifier's label, probability and text, then the reranker's score and passage, best first."""
     with torch.no_grad():
         encoded = tokenizer(texts, padding=True, truncation=True, max_length=512, return_tensors="pt")
         logits = models["classifier"](**encoded).logits
         pairs = tokenizer([query] * len(passages), passages, padding=True, truncation=True, return_tensors="pt")
         scores = models["reranker"](**pairs).logits[:, 0]
-    served_logits, served_scores = np.load(serving / "logits.npy"), np.load(serving / "scores.npy")
-    print(f"classifier: {np.abs(served_logits - logits.numpy()).max():.1e}, reranker: "
-          f"{np.abs(served_scores - scores.numpy()).max():.1e} (ONNX Runtime alone vs PyTorch, max |diff|)")  # fmt: skip
-    np.testing.assert_allclose(served_logits, logits.numpy(), rtol=0, atol=TOLERANCE)
-    for text, row in zip(texts, logits.softmax(-1)):
-        assert f"{['negative', 'positive'][int(row.argmax())]} {row.max().item():.3f}  {text}" in ran.stdout
-    np.testing.assert_allclose(served_scores, scores.numpy(), rtol=0, atol=TOLERANCE)
+    labels = models["classifier"].config.id2label
+    lines = [
+        f"{labels[int(row.argmax())]} {row.max().item():.3f}  {text}" for text, row in zip(texts, logits.softmax(-1))
+    ]
+    lines += [f"{score:+.3f}  {passage}" for score, passage in sorted(zip(scores.tolist(), passages), reverse=True)]
+    return logits, scores, lines

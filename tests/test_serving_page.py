@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from parity import inflate_weights
-from test_onnx_runtime_alone import REPO, TOLERANCE, WIDE, page_block
+from test_onnx_runtime_alone import REPO, TOLERANCE, WIDE, page_block, pytorch_outputs
 from tiny_models import tokenizer as tiny_tokenizer
 
 import disentangled
@@ -58,18 +58,7 @@ def served(tmp_path_factory):
 def expected(served, namespace: dict) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """The PyTorch models' logits and scores on the recipe's own texts, and the lines every recipe prints."""
     _, tokenizer, models = served
-    texts, query, passages = namespace["texts"], namespace["query"], namespace["passages"]
-    with torch.no_grad():
-        encoded = tokenizer(texts, padding=True, truncation=True, max_length=512, return_tensors="pt")
-        logits = models["classifier"](**encoded).logits
-        pairs = tokenizer([query] * len(passages), passages, padding=True, truncation=True, return_tensors="pt")
-        scores = models["reranker"](**pairs).logits[:, 0]
-    labels = models["classifier"].config.id2label
-    lines = [
-        f"{labels[int(row.argmax())]} {row.max().item():.3f}  {text}" for text, row in zip(texts, logits.softmax(-1))
-    ]
-    lines += [f"{score:+.3f}  {passage}" for score, passage in sorted(zip(scores.tolist(), passages), reverse=True)]
-    return logits, scores, lines
+    return pytorch_outputs(tokenizer, models, namespace["texts"], namespace["query"], namespace["passages"])
 
 
 def run_recipe(test: str, served, monkeypatch, capsys) -> tuple[dict, list[str]]:
