@@ -750,7 +750,9 @@ def main(argv: list[str] | None = None) -> None:
         folder = Path(folder)
         if not args.no_timing:
             backends = (["eager"] if eager else []) + (["flex_attention"] if args.flex else []) + ["sdpa"]
-            built = {}  # on CUDA the models of one (layers, mode) serve all its cases; on the CPU each case builds its own
+            # on CUDA (and in a --quick run) the models of one (layers, mode) serve all its cases; on the CPU each case
+            # builds its own
+            built = {}
             for training, cases in ((False, inference_cases), (True, training_cases)):
                 for layers, batch, length in cases:
                     label = f"{'train' if training else 'infer'} {batch}x{length} ({layers} layers)"
@@ -771,7 +773,7 @@ def main(argv: list[str] | None = None) -> None:
                     report["training" if training else "inference"].append(row)
                     print(f"{label}: {row}  ({time.monotonic() - started:.0f} s since the start)", flush=True)
                     (args.out / f"{name}.json").write_text(json.dumps(report, indent=2))  # what a killed run keeps
-                    if not cuda:
+                    if not cuda and not args.quick:
                         built.clear()
                     gc.collect()
             built.clear()

@@ -59,7 +59,8 @@ CORPORA = {
     "real": dict(length=128, line_by_line=False, tasks=("topics",), vocab_size=4000),
 }
 FULL = dict(steps=300, batch=32, epochs=3.0, learning_rates=(3e-4, 1e-3, 3e-3), lines=None, rows=None)
-QUICK = dict(steps=4, batch=8, epochs=1.0, learning_rates=(1e-3, 3e-3), lines=400, rows=32)  # rows: of each split
+QUICK = dict(steps=4, batch=8, epochs=1.0, learning_rates=(1e-3, 3e-3), lines=160, rows=16)  # rows: of each split
+SPEED_REPEATS = {"full": 15, "quick": 2}  # --speed: timed rounds of each step (a smoke run only sees that they run)
 
 
 # -- the data ---------------------------------------------------------------------------------------------------
@@ -650,7 +651,12 @@ def main(argv: list[str] | None = None) -> dict:
 
             data = Path(corpora[args.corpora[0]]["folder"])
             tokenizer = tokenizer_from_spm(data / "tokenizer" / "spm.model")
-            figures["speed"] = speed(tokenizer, data, settings | {"length": 32, "repeats": 15}, args.seeds[0])
+            figures["speed"] = speed(
+                tokenizer,
+                data,
+                settings | {"length": 32, "repeats": SPEED_REPEATS["quick" if args.quick else "full"]},
+                args.seeds[0],
+            )
     figures["seconds"] = time.perf_counter() - started
     figures["markdown"] = markdown(figures)
     print(figures["markdown"])

@@ -7,6 +7,8 @@ No timing is asserted: the numbers come from `python -m benchmarks.run` runs, re
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import re
 import types
@@ -36,8 +38,20 @@ def summary_rows(printed: str, processes: int, case: str) -> dict[str, tuple[tup
     return rows
 
 
-def test_quick_benchmark_reports_every_case_and_model(tmp_path):
-    run.main(["--quick", "--layers", "1", "--repeats", "1", "--out", str(tmp_path), "--records", str(tmp_path)])
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> tuple[Path, str]:
+    """`python -m benchmarks.run --quick` at 1 layer, with the two GPU anchors asked for (on the CPU each sits out):
+    its output folder (also its records folder) and what it printed. Run once for the tests that read it."""
+    out = tmp_path_factory.mktemp("quick")
+    arguments = ["--quick", "--layers", "1", "--repeats", "1", "--anchors", "flashdeberta", "disentangled-flash"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        run.main([*arguments, "--out", str(out), "--records", str(out)])
+    return out, printed.getvalue()
+
+
+def test_quick_benchmark_reports_every_case_and_model(quick_run):
+    tmp_path = quick_run[0]
     report = json.loads((tmp_path / "benchmark-quick.json").read_text())
     cases = [row["case"] for row in report["inference"] + report["training"]]
     assert cases == ["infer 8x128 (1 layers)", "infer 2x512 (1 layers)", "train 2x128 (1 layers)"]
@@ -370,14 +384,14 @@ def test_benchmark_budget_starts_no_case_once_spent(tmp_path, capsys):
     assert "Not started (budget of 0 s spent)" in capsys.readouterr().out and read_records("run", tmp_path) == []
 
 
-def test_benchmark_names_why_an_anchor_sat_out(tmp_path, capsys):
-    """--anchors on the CPU: each anchor is left out with its reason (not installed, or CUDA only); ours still run."""
-    arguments = ["--quick", "--layers", "1", "--repeats", "1", "--no-eager", "--cases", "infer-8x128"]
-    run.main([*arguments, "--anchors", "flashdeberta", "disentangled-flash", "--out", str(tmp_path), "--no-record"])
-    printed = capsys.readouterr().out
-    assert printed.count("not installed") + printed.count("CUDA only") == 2
+def test_benchmark_names_why_an_anchor_sat_out(quick_run):
+    """--anchors on the CPU: each anchor is left out of each case with its reason (not installed, or CUDA only); ours
+    still run (the quick run of `quick_run`, which asks for both anchors)."""
+    tmp_path, printed = quick_run
     report = json.loads((tmp_path / "benchmark-quick.json").read_text())
-    assert set(report["inference"][0]["times"]) == {"ours-sdpa", "transformers-deberta", "bert-sdpa"}
+    rows = report["inference"] + report["training"]
+    assert printed.count("not installed") + printed.count("CUDA only") == 2 * len(rows)
+    assert all(set(row["times"]) == {"ours-eager", "ours-sdpa", "transformers-deberta", "bert-sdpa"} for row in rows)
 
 
 def test_pretraining_benchmark_reports_every_arm(tmp_path):
