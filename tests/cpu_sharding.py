@@ -3,10 +3,13 @@
 accelerate takes FSDP and DeepSpeed only on GPUs: on CPU processes (gloo) its `AcceleratorState` keeps
 `DistributedType.MULTI_CPU` and plain DDP, whatever the config says. This shim, the only thing the tests add to what a
 user runs, lets the state take the engine the config names; Trainer, accelerate's FSDP2 preparation (`fully_shard`),
-DeepSpeed's ZeRO-3 engine and their checkpointing then run as on GPUs.
+DeepSpeed's ZeRO-3 engine and their checkpointing then run as on GPUs (less DeepSpeed's shared-memory kernel for
+inference on CPUs, which it would compile: `skip_the_shared_memory_kernel`).
 
     python -m accelerate.commands.launch --config_file examples/accelerate/fsdp2.yaml tests/cpu_sharding.py \\
         examples/finetune.py ARGS...          # or: tests/cpu_sharding.py -m disentangled.cli pretrain ARGS...
+
+Without a launcher it runs one plain process; `--one-after-another JOBS.json` runs several one-process runs in it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ def allow_sharding_on_cpu() -> None:
 
     os.environ["ACCELERATE_USE_CPU"] = "true"  # TrainingArguments: gloo processes (MULTI_CPU), not one lone process
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        skip_the_shared_memory_kernel()
     original = AcceleratorState.__init__
 
     def __init__(self, *args, **kwargs) -> None:
@@ -42,6 +47,17 @@ def allow_sharding_on_cpu() -> None:
     AcceleratorState.__init__ = __init__
 
 
+def skip_the_shared_memory_kernel() -> None:
+    """DeepSpeed's CPU accelerator compiles its shared-memory all-reduce kernel (deepspeed_shm_comm: two C++ files,
+    about 2 minutes of compiler time on a machine without a torch_extensions cache) when it sets up communication,
+    after probing every op's compiler requirements. Only `inference_all_reduce` uses it, training never does, and on
+    GPUs there is no such kernel. Marked not compatible, it is neither probed nor built; the collectives go to gloo."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__ = {ShareMemCommBuilder.NAME: False}
+
+
 def local_count(parameter) -> int:
     """The elements of `parameter` this process holds: its ZeRO-3 partition, its FSDP2 shard, or all of it."""
     if hasattr(parameter, "ds_tensor"):
@@ -51,9 +67,9 @@ def local_count(parameter) -> int:
     return parameter.numel()
 
 
-def record_to(path: str) -> None:
+def record_to(path: str):
     """Each process writes `path`.RANK.json at the end of training: the engine, the elements of the parameters it
-    holds and their full count, and the loss of each of its batches at full precision."""
+    holds and their full count, and the loss of each of its batches at full precision. Returns what undoes it."""
     import json
 
     import transformers
@@ -87,17 +103,46 @@ def record_to(path: str) -> None:
             losses.append((loss[0] if isinstance(loss, tuple) else loss).item())
         return loss
 
+    def undo() -> None:
+        transformers.Trainer.__init__, transformers.Trainer.compute_loss = original_init, original_loss
+
     transformers.Trainer.__init__, transformers.Trainer.compute_loss = __init__, compute_loss
+    return undo
+
+
+def run(target: list[str]) -> None:
+    """`target` as `python ...` runs it: a script and its arguments, or `-m module ...`."""
+    if target[0] == "-m":
+        sys.argv = target[1:]
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(target)
+        runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+def one_after_another(jobs: str) -> None:
+    """One-process runs in this process, one after another (their imports made once): `jobs` is a JSON file's path,
+    the file a list of {"cwd", "record", "target"}. Each run seeds itself as in a process of its own."""
+    import json
+
+    for job in json.loads(open(jobs).read()):
+        os.chdir(job["cwd"])
+        undo = record_to(job["record"])
+        try:
+            run(job["target"])
+        except SystemExit as exit:  # `python -m disentangled.cli` ends with sys.exit(main())
+            if exit.code not in (None, 0):
+                raise
+        finally:
+            undo()
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--one-after-another":
+        one_after_another(sys.argv[2])
+        sys.exit()
     if "SHARDED_RECORD" in os.environ:
         record_to(os.environ["SHARDED_RECORD"])
     if "LOCAL_RANK" in os.environ:
         allow_sharding_on_cpu()
-    if sys.argv[1] == "-m":
-        sys.argv = sys.argv[2:]
-        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = sys.argv[1:]
-        runpy.run_path(sys.argv[0], run_name="__main__")
+    run(sys.argv[1:])

@@ -119,16 +119,13 @@ def finetune_args(root: Path, output: Path, batch: int, *extra: str) -> list[str
 
 
 @pytest.fixture(scope="module")
-def finetune_reference(tmp_path_factory):
+def finetune_reference(references):
     """The model to fine-tune, the data, and one process's run on batches of 8: (root, records, saved weights)."""
     from transformers import AutoModelForSequenceClassification
 
     import disentangled  # noqa: F401
 
-    root = tmp_path_factory.mktemp("finetune")
-    pretrained_folder(root / "model", **NO_DROPOUT)
-    sentiment_files(root, train=16, validation=8)
-    launch(None, finetune_args(root, root / "one", 8, "--save_strategy", "no"), root / "one-record", root)
+    root = references["finetune"]
     model = AutoModelForSequenceClassification.from_pretrained(root / "one")
     return root, records(root / "one-record", 1), model.state_dict()
 
@@ -210,18 +207,9 @@ def folder_weights(folder: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def pretrain_reference(tmp_path_factory):
-    """One process's run of each job on batches of 8, made when first asked for: job -> (root, records)."""
-    runs = {}
-
-    def reference(job: str):
-        if job not in runs:
-            root = tmp_path_factory.mktemp(f"pretrain-{job}")
-            launch(None, pretrain_command(root, root / "one", 8, job), root / "one-record", root)
-            runs[job] = root, records(root / "one-record", 1)
-        return runs[job]
-
-    return reference
+def pretrain_reference(references):
+    """One process's run of each job on batches of 8: job -> (root, records)."""
+    return lambda job: (references[job], records(references[job] / "one-record", 1))
 
 
 @pytest.mark.parametrize(
@@ -297,11 +285,38 @@ ACCELERATED_JOB = Path(__file__).with_name("accelerated_finetune_job.py")
 
 
 @pytest.fixture(scope="module")
-def accelerated_reference(tmp_path_factory) -> Path:
+def accelerated_reference(references) -> Path:
     """One process's run of the job on batches of 8: the folder with `one/` and `one-record.0.json`."""
-    root = tmp_path_factory.mktemp("accelerated")
-    launch(None, [str(ACCELERATED_JOB), str(root / "one"), "8"], root / "one-record", root)
-    return root
+    return references["accelerated"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The one-process runs the sharded ones are compared with
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[str, Path]:
+    """Every one-process run above on batches of 8, in one process one after another (tests/cpu_sharding.py's
+    --one-after-another: the imports of torch, transformers and datasets made once, not five times; each run seeds
+    itself): name -> its folder, with `one/` (the saved model) and `one-record.0.json`."""
+    folders, jobs = {}, []
+
+    def job(name: str, target: list[str]) -> None:
+        jobs.append({"cwd": str(folders[name]), "record": str(folders[name] / "one-record"), "target": target})
+
+    folders["finetune"] = root = tmp_path_factory.mktemp("finetune")
+    pretrained_folder(root / "model", **NO_DROPOUT)
+    sentiment_files(root, train=16, validation=8)
+    job("finetune", finetune_args(root, root / "one", 8, "--save_strategy", "no"))
+    for name in PRETRAIN_JOBS:
+        folders[name] = root = tmp_path_factory.mktemp(f"pretrain-{name}")
+        job(name, pretrain_command(root, root / "one", 8, name))
+    folders["accelerated"] = root = tmp_path_factory.mktemp("accelerated")
+    job("accelerated", [str(ACCELERATED_JOB), str(root / "one"), "8"])
+    runs = tmp_path_factory.mktemp("references")
+    (runs / "jobs.json").write_text(json.dumps(jobs))
+    launch(None, ["--one-after-another", str(runs / "jobs.json")], runs / "record", runs)
+    return folders
 
 
 @pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
