@@ -750,8 +750,8 @@ def main(argv: list[str] | None = None) -> None:
         folder = Path(folder)
         if not args.no_timing:
             backends = (["eager"] if eager else []) + (["flex_attention"] if args.flex else []) + ["sdpa"]
-            # on CUDA (and in a --quick run) the models of one (layers, mode) serve all its cases; on the CPU each case
-            # builds its own
+            # the models of one (layers, mode) serve all its cases on CUDA and in a --quick run; otherwise, on the CPU,
+            # each case builds its own
             built = {}
             for training, cases in ((False, inference_cases), (True, training_cases)):
                 for layers, batch, length in cases:

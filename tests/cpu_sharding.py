@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+from pathlib import Path
 
 
 def allow_sharding_on_cpu() -> None:
@@ -125,7 +126,7 @@ def one_after_another(jobs: str) -> None:
     the file a list of {"cwd", "record", "target"}. Each run seeds itself as in a process of its own."""
     import json
 
-    for job in json.loads(open(jobs).read()):
+    for job in json.loads(Path(jobs).read_text()):
         os.chdir(job["cwd"])
         undo = record_to(job["record"])
         try:
